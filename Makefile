@@ -1,0 +1,32 @@
+# Two commands matter: `make run` (serve the demo model locally) and `make test` (what CI runs).
+# Both set everything up on first use: system packages (apt), the .venv, the project itself.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+
+.PHONY: setup system-deps run test test-fast lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@bash scripts/setup-system.sh
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[engine,gateway,worker,dev]'
+	@rm -f $(VENV)/.installed-*; touch $@
+
+system-deps:
+	@bash scripts/setup-system.sh
+
+run: setup
+	$(VENV)/bin/tandem serve --model demo --device cpu --port $${PORT:-8000}
+
+test: setup
+	$(PY) -m pytest
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow"
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# System packages the tests and the local stack need. Installs only what is missing;
+# without root (or apt) it names what to install and goes on.
+set -euo pipefail
+declare -A wanted=(
+    [redis-server]=redis-server      # Celery broker/backend for the profiling worker
+    [prometheus]=prometheus          # scrapes the local stack; promtool checks deploy/prometheus
+    [docker-compose]=docker-compose  # `config -q` validates docker-compose.yml (no engine needed)
+)
+missing=()
+for cmd in "${!wanted[@]}"; do
+    command -v "$cmd" >/dev/null 2>&1 || missing+=("${wanted[$cmd]}")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing ${missing[*]} (apt)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    # Debian starts the services on install; the stack and the tests start their own.
+    for svc in redis-server prometheus; do service "$svc" stop >/dev/null 2>&1 || true; done
+else
+    echo "setup: please install ${missing[*]} (e.g. sudo apt-get install ${missing[*]})" >&2
+fi

@@ -1,0 +1,67 @@
+"""The engine's one config object. CLI flags are derived from these fields (``services.common.settings``),
+so `tandem serve --help` / `tandem engine --help` always match what the engine reads."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from services.common.settings import field
+
+
+class MoEBackend(str, enum.Enum):
+    """How experts are computed (DESIGN.md §2)."""
+
+    RESIDENT = "resident"  # all experts on the compute device, no cache
+    OFFLOAD = "offload"  # GPU slot cache; misses fetched over PCIe
+    CPU = "cpu"  # GPU slot cache for hits; misses computed by the CPU executor
+    HYBRID = "hybrid"  # misses split between fetch and CPU by the fetch fraction f
+    AUTO = "auto"  # chosen from the bandwidth profile, corrected online
+
+
+class Device(str, enum.Enum):
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class DType(str, enum.Enum):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+
+
+@dataclass
+class EngineConfig:
+    model: str = field(env="TANDEM_MODEL", help="checkpoint directory (Hugging Face layout), 'demo', or 'synthetic:NAME[?layers=N]'")
+    device: Device = field(Device.CPU, help="compute device")
+    dtype: DType = field(DType.FLOAT32, help="weight and activation dtype")
+    moe_backend: MoEBackend = field(MoEBackend.RESIDENT, help="expert backend: resident, offload, cpu, hybrid or auto (DESIGN.md §2)")
+    moe_cache_size: int | None = field(None, help="GPU expert cache size in slots (one slot = one expert of one layer)")
+    moe_cache_rate: float | None = field(None, help="GPU expert cache size as a share of all L*E experts, 0 < r <= 1")
+    moe_cache_auto: bool = field(False, help="size the expert cache to fill the VRAM budget after weights and the KV reserve")
+    moe_hybrid_max_fetch: int = field(-1, help="hybrid: most misses fetched per layer and step; -1 = automatic, 0 = all misses on the CPU")
+    gpu_memory_limit: float | None = field(None, help="cap the VRAM budget at this many GiB (emulate a smaller card)")
+    max_running_requests: int = field(8, help="most requests decoded together (continuous batching)")
+    max_waiting_requests: int = field(64, help="most requests queued before new ones get 429")
+    max_seq_len: int = field(4096, help="most tokens (prompt + generated) per request; also sizes the KV cache")
+    host: str = field("127.0.0.1", help="address to listen on")
+    port: int = field(8001, help="port to listen on")
+    seed: int = field(0, help="seed for synthetic weights and the demo checkpoint")
+
+    def __post_init__(self) -> None:
+        self.device = Device(self.device)
+        self.dtype = DType(self.dtype)
+        self.moe_backend = MoEBackend(self.moe_backend)
+        sizing = [self.moe_cache_size is not None, self.moe_cache_rate is not None, bool(self.moe_cache_auto)]
+        if sum(sizing) > 1:
+            raise ValueError("--moe-cache-size, --moe-cache-rate and --moe-cache-auto are mutually exclusive; give one")
+        if self.moe_cache_size is not None and self.moe_cache_size <= 0:
+            raise ValueError(f"--moe-cache-size must be positive, got {self.moe_cache_size}")
+        if self.moe_cache_rate is not None and not 0.0 < self.moe_cache_rate <= 1.0:
+            raise ValueError(f"--moe-cache-rate must be in (0, 1], got {self.moe_cache_rate}")
+        if self.moe_hybrid_max_fetch < -1:
+            raise ValueError(f"--moe-hybrid-max-fetch must be -1 (auto), 0 or positive, got {self.moe_hybrid_max_fetch}")
+        if self.gpu_memory_limit is not None and self.gpu_memory_limit <= 0:
+            raise ValueError(f"--gpu-memory-limit must be positive GiB, got {self.gpu_memory_limit}")
+        for name in ("max_running_requests", "max_waiting_requests", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
