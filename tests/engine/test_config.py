@@ -1,0 +1,28 @@
+"""EngineConfig validation: each bad value is refused with a message naming the flag."""
+
+import pytest
+
+from services.engine.config import EngineConfig
+
+
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [
+        ({"moe_cache_size": 4, "moe_cache_rate": 0.5}, "mutually exclusive"),
+        ({"moe_cache_rate": 0.5, "moe_cache_auto": True}, "mutually exclusive"),
+        ({"moe_cache_size": 0}, "--moe-cache-size"),
+        ({"moe_cache_rate": 1.5}, "--moe-cache-rate"),
+        ({"moe_hybrid_max_fetch": -2}, "--moe-hybrid-max-fetch"),
+        ({"gpu_memory_limit": 0}, "--gpu-memory-limit"),
+        ({"max_seq_len": 0}, "--max-seq-len"),
+        ({"moe_backend": "magic"}, "magic"),
+    ],
+)
+def test_bad_config_names_the_flag(kwargs, flag):
+    with pytest.raises(ValueError, match=flag):
+        EngineConfig(model="demo", **kwargs)
+
+
+def test_good_config():
+    cfg = EngineConfig(model="demo", moe_backend="hybrid", moe_cache_rate=0.25, moe_hybrid_max_fetch=0)
+    assert cfg.moe_backend.value == "hybrid"
