@@ -1,0 +1,215 @@
+"""Single-stream decode throughput of a MoE model as a client sees it, one real server per backend.
+
+For each backend: start `tandem serve` (its own process), poll /health until serving, read the model id
+from /v1/models, send one warm-up request (brings the expert cache to its steady decode working set),
+then the measured one: a streamed chat completion with stream_options.include_usage and ignore_eos, so
+exactly D tokens decode. Timestamps are taken per SSE event:
+
+    decode_tok_s = (completion_tokens - 1) / (t_last_event - t_first_event)
+
+which stays right when the detokenizer merges several tokens into one event. Unlike the reference, the
+engine's own stats are read too (expert miss rate, fetch split, VRAM), and output_sha1 (first 12 hex of
+the text's sha1) lets you check that the backends agree.
+
+    python benchmarks/bench_decode_moe.py --model synthetic:qwen3-30b-a3b?layers=24 \
+        --backend resident,offload,cpu,hybrid,auto --gpu-memory-limit 24 --greedy --json out.jsonl
+
+A failing backend (even a crash mid-stream) is recorded and the others still run; the exit code is
+non-zero if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks.server_process import ServerProcess
+
+PROMPTS = Path(__file__).parent / "prompts" / "math.jsonl"
+BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+# Used for fields the checkpoint's generation_config leaves out: the server's own default is greedy,
+# which would silently degrade a checkpoint without full sampling advice.
+FALLBACK_SAMPLING = {"temperature": 1.0, "top_p": 0.95, "top_k": 64}
+GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": -1}
+
+
+def load_prompt(path: Path, index: int) -> str:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    row = rows[index % len(rows)]
+    text = row.get("prompt") or row["problem"]
+    return text if "\\boxed" in text else f"{text}\n{BOXED_INSTRUCTION}"
+
+
+def resolve_sampling(generation_config: dict, greedy: bool) -> dict:
+    """Sampling from the checkpoint's generation_config, FALLBACK_SAMPLING for missing fields."""
+    if greedy or generation_config.get("do_sample") is False or generation_config.get("temperature") == 0.0:
+        return dict(GREEDY)
+    out = {k: generation_config.get(k, v) for k, v in FALLBACK_SAMPLING.items()}
+    if out["top_k"] in (0, None):  # HF: 0 = no filter; the API says -1
+        out["top_k"] = -1
+    return out
+
+
+def stream_chat(url: str, model: str, prompt: str, max_tokens: int, sampling: dict, seed: int) -> dict:
+    body = {
+        "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+        "stream": True, "stream_options": {"include_usage": True}, "seed": seed,
+        "temperature": sampling["temperature"], "top_p": sampling["top_p"],
+        "top_k": sampling["top_k"], "ignore_eos": True,  # extensions: exactly D decode steps
+    }
+    t_sent = time.perf_counter()
+    event_times: list[float] = []
+    text, usage = [], None
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=None) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {resp.read().decode(errors='replace')[:500]}")
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", []):
+                content = choice.get("delta", {}).get("content")
+                if content:
+                    event_times.append(time.perf_counter())
+                    text.append(content)
+    if usage is None or len(event_times) < 2:
+        raise RuntimeError(f"stream ended early: {len(event_times)} events, usage={usage}")
+    gaps_ms = [(b - a) * 1e3 for a, b in zip(event_times, event_times[1:])]
+    gaps_ms.sort()
+    full = "".join(text)
+    return {
+        "decode_tok_s": (usage["completion_tokens"] - 1) / (event_times[-1] - event_times[0]),
+        "ttft_ms": (event_times[0] - t_sent) * 1e3,
+        "event_ms_p50": statistics.median(gaps_ms),
+        "event_ms_p99": gaps_ms[min(len(gaps_ms) - 1, int(0.99 * len(gaps_ms)))],
+        "prompt_tokens": usage["prompt_tokens"],
+        "completion_tokens": usage["completion_tokens"],
+        "output_sha1": hashlib.sha1(full.encode()).hexdigest()[:12],
+    }
+
+
+def engine_summary(stats: dict) -> dict:
+    """Miss rate, fetch split and VRAM from the engine's stats JSON (absent keys stay None)."""
+    experts = stats.get("experts") or stats.get("backend") or {}
+    hits, misses = experts.get("hits"), experts.get("misses")
+    fetched, cpu = experts.get("fetched"), experts.get("cpu_computed")
+    return {
+        "miss_rate": misses / (hits + misses) if hits is not None and misses is not None and hits + misses else None,
+        "fetch_share": fetched / (fetched + cpu) if fetched is not None and cpu is not None and fetched + cpu else None,
+        "fetch_fraction": experts.get("fetch_fraction"),
+        "vram_gib": stats.get("vram_gib"),
+    }
+
+
+def server_args(args: argparse.Namespace, backend: str) -> list[str]:
+    out = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--moe-backend", backend,
+           "--max-running-requests", "1", "--max-seq-len", str(args.max_prompt_tokens + args.decode_tokens)]
+    if backend != "resident":
+        if args.cache_size:
+            out += ["--moe-cache-size", str(args.cache_size)]
+        elif args.cache_rate:
+            out += ["--moe-cache-rate", str(args.cache_rate)]
+        else:
+            out += ["--moe-cache-auto"]
+        if args.gpu_memory_limit:
+            out += ["--gpu-memory-limit", str(args.gpu_memory_limit)]
+        out += ["--moe-hybrid-max-fetch", str(args.hybrid_max_fetch)]
+    return out + args.server_arg
+
+
+def run_backend(args: argparse.Namespace, backend: str, prompt: str, log_dir: Path) -> dict:
+    row: dict = {"backend": backend, "model": args.model, "decode_tokens": args.decode_tokens,
+                 "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    server = ServerProcess(server_args(args, backend), log_dir / f"serve-{backend}.log")
+    row["command"] = server.command
+    try:
+        server.wait_ready(args.startup_timeout)
+        model_id = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        info = httpx.get(f"{server.url}/engine/v1/info", timeout=10).json()
+        sampling = resolve_sampling(info.get("generation_config") or {}, args.greedy)
+        row["sampling"] = sampling
+        stream_chat(server.url, model_id, prompt, args.decode_tokens, sampling, args.seed)  # warm-up
+        before = httpx.get(f"{server.url}/engine/v1/stats", timeout=10).json()
+        row.update(stream_chat(server.url, model_id, prompt, args.decode_tokens, sampling, args.seed))
+        after = httpx.get(f"{server.url}/engine/v1/stats", timeout=10).json()
+        row.update(engine_summary(_delta(before, after)))
+        row["vram_gib"] = after.get("vram_gib")
+        row["ok"] = True
+    except Exception as exc:  # one failing backend must not stop the others
+        row.update(ok=False, error=f"{type(exc).__name__}: {exc}", log_tail=server.log_tail())
+    finally:
+        server.stop()
+    return row
+
+
+def _delta(before: dict, after: dict) -> dict:
+    """Counters of the measured request alone (after - before); gauges from ``after``."""
+    b = before.get("experts") or before.get("backend") or {}
+    a = after.get("experts") or after.get("backend") or {}
+    experts = {k: (a[k] - b.get(k, 0)) if isinstance(a[k], (int, float)) and k != "fetch_fraction" else a[k] for k in a}
+    return {"experts": experts, "vram_gib": after.get("vram_gib")}
+
+
+def print_table(rows: list[dict]) -> None:
+    cols = ["backend", "decode_tok_s", "ttft_ms", "event_ms_p50", "event_ms_p99", "miss_rate", "fetch_share",
+            "vram_gib", "output_sha1"]
+    print(" | ".join(f"{c:>12}" for c in cols))
+    for r in rows:
+        if not r.get("ok"):
+            print(f"{r['backend']:>12} | FAILED: {r.get('error', '')[:100]}")
+            continue
+        cells = [r.get(c) for c in cols]
+        print(" | ".join(f"{c:>12.3f}" if isinstance(c, float) else f"{str(c):>12}" for c in cells))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="checkpoint dir, 'demo' or 'synthetic:NAME[?layers=N]'")
+    p.add_argument("--backend", default="offload,cpu,hybrid", help="comma-separated backends, one server each")
+    p.add_argument("--device", default="cuda", help="compute device of the server")
+    p.add_argument("--dtype", default="bfloat16", help="server dtype")
+    p.add_argument("--decode-tokens", "-D", type=int, default=256, help="tokens decoded in the measured request")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="room left for the prompt in --max-seq-len")
+    p.add_argument("--prompts", type=Path, default=PROMPTS, help="JSONL with 'problem' or 'prompt' fields")
+    p.add_argument("--prompt-index", type=int, default=0, help="which prompt of the file")
+    p.add_argument("--cache-size", type=int, help="--moe-cache-size for the server (default: --moe-cache-auto)")
+    p.add_argument("--cache-rate", type=float, help="--moe-cache-rate for the server")
+    p.add_argument("--gpu-memory-limit", type=float, help="--gpu-memory-limit GiB for the server")
+    p.add_argument("--hybrid-max-fetch", type=int, default=-1, help="--moe-hybrid-max-fetch (-1 auto)")
+    p.add_argument("--greedy", action="store_true", help="force greedy sampling (strict cross-backend check)")
+    p.add_argument("--seed", type=int, default=0, help="request seed")
+    p.add_argument("--startup-timeout", type=float, default=600, help="seconds to wait for /health to say serving")
+    p.add_argument("--server-arg", action="append", default=[], help="extra flag passed to the server (repeat)")
+    p.add_argument("--log-dir", type=Path, default=Path("runs/bench_decode"), help="server logs go here")
+    p.add_argument("--json", type=Path, help="append one JSON line per backend here")
+    args = p.parse_args(argv)
+
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    prompt = load_prompt(args.prompts, args.prompt_index)
+    rows = []
+    for backend in [b.strip() for b in args.backend.split(",") if b.strip()]:
+        print(f"[bench_decode_moe] {backend}: starting server ...", file=sys.stderr, flush=True)
+        row = run_backend(args, backend, prompt, args.log_dir)
+        rows.append(row)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    print_table(rows)
+    failed = [r["backend"] for r in rows if not r.get("ok")]
+    if failed:
+        print(f"failed backends: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
