@@ -1,0 +1,171 @@
+"""bs=1 decode speed of the `resident` backend against the HBM bandwidth bound (issue 2, part 7).
+
+    python -m benchmarks.bench_resident_decode [--model synthetic:qwen3-30b-a3b] [--tokens 128] [--json PATH]
+
+Loads the model on CUDA in bf16 with every expert resident, measures the device's HBM bandwidth in
+the same run (large device-to-device copy: bytes read + written / time), then decodes ``--tokens``
+tokens at batch size 1, eager and (unless --no-graph) as a captured CUDA graph of one decode step,
+with each decode expert path (Triton GEMV reading experts in place; torch gather + bmm).
+The bound is ``active weight bytes per token / HBM bandwidth`` (attention, norms, routers, A experts
+per MoE layer, LM head); the ratio says how close decode gets to streaming exactly those bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from services.engine.config import EngineConfig, MoEBackend
+from services.engine.models.registry import load_model
+from services.engine.moe.resident import DecodeKernel
+from services.engine.runtime.kv_cache import ForwardBatch, KVCache
+
+
+def hbm_bandwidth(nbytes: int = 4 << 30, iters: int = 10) -> float:
+    """Bytes/s of a device-to-device copy, counting read + write."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1e3
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes * iters / seconds
+
+
+def _prefill(lm, kv: KVCache, prompt: list[int]) -> int:
+    ids = torch.tensor(prompt, device="cuda")
+    logits = lm.model(ids, torch.arange(len(prompt), device="cuda"), ForwardBatch.single(0, 0, len(prompt)), kv)
+    return int(logits[0].argmax())
+
+
+def decode_eager(lm, kv: KVCache, prompt: list[int], tokens: int, warmup: int) -> float:
+    """Seconds per token of eager decode (one forward + argmax per token, host reads the token)."""
+    token, pos = _prefill(lm, kv, prompt), len(prompt)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for step in range(warmup + tokens):
+        if step == warmup:
+            torch.cuda.synchronize()
+            start.record()
+        batch = ForwardBatch.single(0, pos, 1)
+        logits = lm.model(torch.tensor([token], device="cuda"), torch.tensor([pos], device="cuda"), batch, kv)
+        token, pos = int(logits[0].argmax()), pos + 1
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / tokens
+
+
+def decode_graph(lm, kv: KVCache, prompt: list[int], tokens: int, warmup: int) -> float:
+    """Seconds per token with one decode step captured as a CUDA graph (static KV window = the whole
+    cache; the graph feeds its argmax back as the next input and advances the position itself)."""
+    token = _prefill(lm, kv, prompt)
+    ids = torch.tensor([token], device="cuda")  # [1] static input
+    pos = torch.tensor([len(prompt)], device="cuda")  # [1] static position
+    batch = ForwardBatch(slots=[0], start_pos=[len(prompt)], query_lens=[1], kv_len=kv.max_seq_len,
+                         slot_ids=torch.zeros(1, dtype=torch.long, device="cuda"))
+
+    def step() -> None:
+        logits = lm.model(ids, pos, batch, kv)
+        ids.copy_(logits.argmax(dim=-1))
+        pos.add_(1)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm-up on a side stream before capture (allocator, lazy inits)
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(warmup):
+        graph.replay()
+    start.record()
+    for _ in range(tokens):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    if int(pos.item()) >= kv.max_seq_len:
+        raise RuntimeError("decode ran past the KV cache; raise --max-seq-len")
+    return start.elapsed_time(end) / 1e3 / tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench_resident_decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="synthetic:qwen3-30b-a3b")
+    p.add_argument("--tokens", type=int, default=128, help="timed decode tokens")
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--max-seq-len", type=int, default=512, help="KV window (the graph attends over all of it)")
+    p.add_argument("--no-graph", action="store_true", help="eager only")
+    p.add_argument("--decode-kernels", default="triton,torch",
+                   help="decode expert paths to measure: triton (GEMV in place), torch (gather + bmm)")
+    p.add_argument("--json", help="also write the results to this JSON file")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_resident_decode: needs CUDA", file=sys.stderr)
+        return 2
+    need = args.prompt_len + 2 * (args.warmup + args.tokens) + 8
+    if need > args.max_seq_len:
+        print(f"--max-seq-len {args.max_seq_len} < {need} positions this run needs", file=sys.stderr)
+        return 2
+
+    bw = hbm_bandwidth()
+    t0 = time.perf_counter()
+    cfg = EngineConfig(model=args.model, device="cuda", dtype="bfloat16", moe_backend=MoEBackend.RESIDENT,
+                       max_seq_len=args.max_seq_len)
+    lm = load_model(cfg)
+    torch.cuda.synchronize()
+    build_s = time.perf_counter() - t0
+    spec = lm.spec
+    active = spec.active_weight_nbytes(torch.bfloat16)
+    bound = bw / active
+    prompt = torch.randint(0, spec.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    results = {"model": args.model, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "build_seconds": round(build_s, 2),
+               "hbm_bytes_per_second": bw, "active_weight_bytes_per_token": active,
+               "bound_tokens_per_second": bound, "tokens": args.tokens, "modes": {}}
+    modes = [("eager", decode_eager)] + ([] if args.no_graph else [("graph", decode_graph)])
+    for kernel in args.decode_kernels.split(","):
+        lm.backend.decode = DecodeKernel(kernel)
+        for mode, fn in modes:
+            name = f"{mode}/{kernel}"
+            kv = KVCache(spec, 1, args.max_seq_len, "cuda", torch.bfloat16)
+            try:
+                s = fn(lm, kv, prompt, args.tokens, args.warmup)
+                results["modes"][name] = {"tokens_per_second": 1 / s, "ms_per_token": s * 1e3,
+                                          "ratio_to_bound": (1 / s) / bound, "kernel_used": lm.backend.decode.kind}
+            except Exception as e:  # report a failed capture instead of losing the other numbers
+                results["modes"][name] = {"error": f"{type(e).__name__}: {e}"}
+            del kv
+
+    print(f"model {args.model} on {results['device']} (bf16, resident), built in {build_s:.1f} s")
+    print(f"HBM bandwidth (D2D copy, read+write): {bw / 1e9:.0f} GB/s; active weights/token: {active / 1e9:.2f} GB;"
+          f" bound: {bound:.1f} tok/s")
+    print(f"{'mode/decode kernel':<20}{'tok/s':>10}{'ms/token':>10}{'ratio':>8}  kernel used")
+    for name, r in results["modes"].items():
+        if "error" in r:
+            print(f"{name:<20}  failed: {r['error']}")
+        else:
+            print(f"{name:<20}{r['tokens_per_second']:>10.1f}{r['ms_per_token']:>10.2f}{r['ratio_to_bound']:>8.2f}"
+                  f"  {r['kernel_used']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

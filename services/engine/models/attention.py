@@ -1,0 +1,108 @@
+"""Self-attention with GQA, RoPE, optional q/k norm and the slot KV cache.
+
+Legend: T tokens in the step · B sequences · H query heads · K kv heads · G = H/K query heads per kv
+head · Dh head dim · W attended key window · M max_seq_len.
+
+Two paths, same maths:
+- prefill / mixed steps: per sequence, write its new K/V into its slot and attend causally over
+  ``[0, start + q)`` (SDPA, GQA inside SDPA);
+- decode steps (one token per sequence): batched, no Python-int-dependent shapes once ``kv_len`` is
+  fixed, so a runner can capture it in a CUDA graph. The G query heads sharing a kv head are laid out
+  as G "query rows" of that kv head, so K/V are never repeated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.engine.models.norm import RMSNorm
+from services.engine.models.rope import apply_rotary
+from services.engine.models.spec import ModelSpec, QKNorm
+from services.engine.runtime.kv_cache import ForwardBatch, KVCache
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int) -> None:
+        super().__init__()
+        D, H, K, Dh = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.layer, self.H, self.K, self.Dh = layer, H, K, Dh
+        self.q_proj = nn.Linear(D, H * Dh, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(D, K * Dh, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(D, K * Dh, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(H * Dh, D, bias=spec.o_bias)
+        self.qk_norm = spec.traits.qk_norm
+        if self.qk_norm is QKNorm.PER_HEAD:
+            self.q_norm = RMSNorm(Dh, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(Dh, spec.rms_norm_eps)
+        elif self.qk_norm is QKNorm.FULL:
+            self.q_norm = RMSNorm(H * Dh, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(K * Dh, spec.rms_norm_eps)
+        self.clip_qkv = spec.clip_qkv
+        self.window = spec.sliding_window  # None = full causal attention
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """x [T, D] · positions [T] · cos/sin [T, Dh] -> [T, D]; writes this layer's K/V into ``kv``."""
+        T = x.shape[0]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, H*Dh], [T, K*Dh], [T, K*Dh]
+        if self.qk_norm is QKNorm.FULL:  # OLMoE: norm over the whole projection, before the head split
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.view(T, self.H, self.Dh)  # [T, H, Dh]
+        k = k.view(T, self.K, self.Dh)  # [T, K, Dh]
+        v = v.view(T, self.K, self.Dh)  # [T, K, Dh]
+        if self.qk_norm is QKNorm.PER_HEAD:  # Qwen3: one [Dh] weight shared by all heads
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]  # [S, M, K, Dh]
+        if batch.is_decode:
+            o = self._decode(q, k, v, positions, batch, k_cache, v_cache)
+        else:
+            o = self._prefill(q, k, v, batch, k_cache, v_cache)
+        return self.o_proj(o.reshape(T, self.H * self.Dh))
+
+    def _prefill(self, q, k, v, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
+        """Per sequence: q [T, H, Dh], k/v [T, K, Dh] -> o [T, H, Dh]."""
+        outs, off = [], 0
+        for slot, start, n in zip(batch.slots, batch.start_pos, batch.query_lens):
+            end = start + n
+            k_cache[slot, start:end] = k[off:off + n]
+            v_cache[slot, start:end] = v[off:off + n]
+            qs = q[off:off + n].transpose(0, 1)[None]  # [1, H, n, Dh]
+            ks = k_cache[slot, :end].transpose(0, 1)[None]  # [1, K, end, Dh]
+            vs = v_cache[slot, :end].transpose(0, 1)[None]  # [1, K, end, Dh]
+            if start == 0 and (self.window is None or end <= self.window):
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            else:  # new tokens at positions [start, end) see keys [0, own position] (within the window)
+                q_pos = torch.arange(start, end, device=q.device)
+                mask = self._mask(torch.arange(end, device=q.device)[None, :], q_pos[:, None])  # [n, end]
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+            outs.append(o[0].transpose(0, 1))  # [n, H, Dh]
+            off += n
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _mask(self, key_pos: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+        """Boolean attend-mask (broadcast of key_pos [1, W] and q_pos [n, 1]): causal, and within the
+        sliding window when the model has one (transformers: kv_idx > q_idx - sliding_window)."""
+        mask = key_pos <= q_pos
+        if self.window is not None:
+            mask &= key_pos > q_pos - self.window
+        return mask
+
+    def _decode(self, q, k, v, positions, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
+        """One token per sequence: q [B, H, Dh], k/v [B, K, Dh], positions [B] -> o [B, H, Dh]."""
+        B = q.shape[0]
+        slots = batch.slot_tensor(q.device)  # [B]
+        k_cache[slots, positions] = k
+        v_cache[slots, positions] = v
+        W = batch.kv_len or (max(batch.start_pos) + 1)
+        ks = k_cache[:, :W][slots].transpose(1, 2)  # [B, K, W, Dh]
+        vs = v_cache[:, :W][slots].transpose(1, 2)  # [B, K, W, Dh]
+        mask = self._mask(torch.arange(W, device=q.device)[None, :], positions[:, None])  # [B, W]
+        G = self.H // self.K
+        qg = q.view(B, self.K, G, self.Dh)  # query head h = kv head (h // G), as transformers' repeat_kv
+        o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=mask[:, None, None, :])  # [B, K, G, Dh]
+        return o.reshape(B, self.H, self.Dh)

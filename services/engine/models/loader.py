@@ -1,0 +1,192 @@
+"""Read a Hugging Face checkpoint directory into a MoECausalLM (non-expert weights, on the device)
+and ExpertBanks (routed experts, host memory).
+
+Layout: ``config.json``, ``tokenizer.json``, and either ``model.safetensors`` or shards listed in
+``model.safetensors.index.json``. Expert tensor names are the Hub's, one tensor per expert
+(``model.layers.3.mlp.experts.7.gate_proj.weight``; Mixtral
+``model.layers.3.block_sparse_moe.experts.7.w1.weight``) — transformers 5.24 fuses experts in memory
+but its ``save_pretrained`` still writes these per-expert names (checked). The fused in-memory names
+(``...mlp.experts.gate_up_proj`` [E, 2I, D], ``...mlp.experts.down_proj`` [E, D, I]) are accepted too,
+per layer, when the per-expert names are absent.
+
+Experts are copied straight into their bank slice, one checkpoint tensor at a time (safetensors mmaps
+the file), so no full-size temporary exists. Every error is a LoaderError naming the file and tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from services.common.logging import get_logger
+from services.engine.models.causal_lm import MoECausalLM
+from services.engine.models.errors import LoaderError
+from services.engine.models.spec import ModelSpec
+from services.engine.moe.banks import ExpertBanks, ExpertFormat
+
+__all__ = ["LoaderError", "load_checkpoint", "read_spec", "check_tokenizer", "build_empty_model"]
+
+log = get_logger("loader")
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+Progress = Callable[[dict], None]
+
+
+def read_spec(model_dir: Path) -> ModelSpec:
+    """``model_dir/config.json`` -> ModelSpec (LoaderError if missing, unreadable or unsupported)."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise LoaderError(f"{path}: missing config.json (not a Hugging Face checkpoint directory?)")
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise LoaderError(f"{path}: cannot read config.json ({e})") from e
+    return ModelSpec.from_hf_config(cfg, source=str(path))
+
+
+def check_tokenizer(model_dir: Path) -> None:
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise LoaderError(f"{path}: missing tokenizer.json (the engine needs the checkpoint's tokenizer)")
+
+
+def build_empty_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> MoECausalLM:
+    """The module with uninitialised parameters of ``dtype`` on ``device`` (built on 'meta' first:
+    no CPU-side random init of weights that are overwritten anyway)."""
+    with torch.device("meta"):
+        model = MoECausalLM(spec)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    if spec.tie_word_embeddings:  # to_empty un-ties; tie again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def _expert_names(spec: ModelSpec, layer: int, e: int) -> tuple[str, str, str]:
+    gate, up, down = spec.traits.expert_proj
+    p = f"model.layers.{layer}.{spec.traits.moe_prefix}.experts.{e}."
+    return p + f"{gate}.weight", p + f"{up}.weight", p + f"{down}.weight"
+
+
+def _fused_names(spec: ModelSpec, layer: int) -> tuple[str, str]:
+    p = f"model.layers.{layer}.{spec.traits.moe_prefix}.experts."
+    return p + "gate_up_proj", p + "down_proj"
+
+
+class _Checkpoint:
+    """Name -> file map of a single-file or sharded checkpoint; opens each file once, lazily."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from safetensors import safe_open
+
+        self._safe_open = safe_open
+        self.dir = Path(model_dir)
+        self._handles: dict[Path, object] = {}
+        index, single = self.dir / INDEX_FILE, self.dir / SINGLE_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise LoaderError(f"{index}: cannot read the shard index ({e})") from e
+            self.file_of = {name: self.dir / f for name, f in weight_map.items()}
+            self.where = INDEX_FILE
+        elif single.is_file():
+            self.file_of = {name: single for name in self._open(single).keys()}
+            self.where = SINGLE_FILE
+        else:
+            raise LoaderError(f"{self.dir}: no {SINGLE_FILE} and no {INDEX_FILE}")
+
+    def _open(self, path: Path):
+        if path not in self._handles:
+            if not path.is_file():
+                raise LoaderError(f"{path}: shard file listed in {INDEX_FILE} is missing")
+            try:
+                self._handles[path] = self._safe_open(str(path), framework="pt", device="cpu")
+            except Exception as e:  # safetensors raises its own SafetensorError (header, truncation)
+                raise LoaderError(f"{path}: corrupt or truncated safetensors file ({e})") from e
+        return self._handles[path]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.file_of
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Tensor ``name`` (checked to be ``shape``) as a CPU tensor (mmapped where possible)."""
+        if name not in self.file_of:
+            raise LoaderError(f"{self.dir / self.where}: missing tensor {name!r}")
+        path = self.file_of[name]
+        handle = self._open(path)
+        try:
+            got = tuple(handle.get_slice(name).get_shape())
+            if got != tuple(shape):
+                raise LoaderError(f"{path}: tensor {name!r} has shape {list(got)}, expected {list(shape)}")
+            return handle.get_tensor(name)
+        except LoaderError:
+            raise
+        except Exception as e:
+            raise LoaderError(f"{path}: cannot read tensor {name!r}: corrupt or truncated file ({e})") from e
+
+
+def load_checkpoint(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
+                    progress: Progress | None = None) -> tuple[ModelSpec, MoECausalLM, ExpertBanks]:
+    """Load ``model_dir``: (spec, model with non-expert weights on ``device``, host ExpertBanks).
+
+    ``progress`` (optional) gets ``{"phase": "loading", "done": n, "total": N, "fraction": f}`` after
+    each tensor; a tqdm bar shows the same on stderr.
+    """
+    model_dir = Path(model_dir)
+    spec = read_spec(model_dir)
+    check_tokenizer(model_dir)
+    ckpt = _Checkpoint(model_dir)
+    model = build_empty_model(spec, torch.device(device), dtype)
+    D, I, E = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
+    banks = ExpertBanks.allocate(ExpertFormat.UNQUANTIZED, spec.num_moe_layers, E, D, I, dtype)
+
+    params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
+    if spec.tie_word_embeddings and "lm_head.weight" in ckpt:
+        params.pop("model.embed_tokens.weight", None)  # prefer the explicit head; embed copied after
+        params["lm_head.weight"] = model.lm_head.weight
+    fused = [layer for layer in spec.moe_layer_ids
+             if _expert_names(spec, layer, 0)[0] not in ckpt and _fused_names(spec, layer)[0] in ckpt]
+    total = len(params) + sum(2 if layer in fused else 3 * E for layer in spec.moe_layer_ids)
+    bar = tqdm(total=total, desc=f"loading {model_dir.name}", unit="tensor", leave=False)
+    done = 0
+
+    def step() -> None:
+        nonlocal done
+        done += 1
+        bar.update(1)
+        if progress is not None:
+            progress({"phase": "loading", "done": done, "total": total, "fraction": done / total})
+
+    try:
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(ckpt.get(name, tuple(param.shape)))
+                step()
+            for ordinal, layer in enumerate(spec.moe_layer_ids):
+                gate_up = banks.layers[ordinal].tensors["gate_up"]  # [E, 2I, D]
+                down = banks.layers[ordinal].tensors["down"]  # [E, D, I]
+                if layer in fused:
+                    gu_name, down_name = _fused_names(spec, layer)
+                    gate_up.copy_(ckpt.get(gu_name, (E, 2 * I, D)))
+                    step()
+                    down.copy_(ckpt.get(down_name, (E, D, I)))
+                    step()
+                    continue
+                for e in range(E):
+                    g_name, u_name, d_name = _expert_names(spec, layer, e)
+                    gate_up[e, :I].copy_(ckpt.get(g_name, (I, D)))
+                    step()
+                    gate_up[e, I:].copy_(ckpt.get(u_name, (I, D)))
+                    step()
+                    down[e].copy_(ckpt.get(d_name, (D, I)))
+                    step()
+    finally:
+        bar.close()
+    log.info("loaded %s: %s, %d layers (%d MoE), E=%d, A=%d, D=%d, I=%d", model_dir, spec.model_type,
+             spec.num_layers, spec.num_moe_layers, E, spec.top_k, D, I)
+    return spec, model, banks

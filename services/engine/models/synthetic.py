@@ -1,0 +1,150 @@
+"""Synthetic models: random weights made in memory with a real model's geometry
+(``--model synthetic:NAME[?layers=N]``), so benchmarks need no checkpoint on disk.
+
+Presets are a table of Hugging Face config dicts; they go through the same ModelSpec.from_hf_config
+as a real checkpoint. Weights are N(0, 0.02) (norms 1), filled in place bank by bank and layer by
+layer — no full-size temporaries. On CUDA each bank is generated on the GPU (H200: ~1 TB/s of random
+numbers) and copied into the host bank, or kept on the GPU when the banks are to live there anyway
+(``banks_device``, the resident backend): the 60 GB of Qwen3-30B-A3B then build in seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+from urllib.parse import parse_qs
+
+import torch
+from tqdm import tqdm
+
+from services.common.logging import get_logger
+from services.engine.models.causal_lm import MoECausalLM
+from services.engine.models.errors import LoaderError
+from services.engine.models.loader import build_empty_model
+from services.engine.models.spec import ModelSpec
+from services.engine.moe.banks import BANK_SCHEMAS, ExpertBanks, ExpertFormat, LayerBanks
+
+log = get_logger("synthetic")
+
+PREFIX = "synthetic:"
+INIT_STD = 0.02
+ROUTER_STD = 0.2  # larger than INIT_STD so routing depends clearly on the token, not near-uniform
+
+PRESETS: dict[str, dict] = {
+    # vocab_size None = the demo tokenizer's vocabulary, so generated ids decode to text.
+    "tiny": dict(model_type="qwen3_moe", num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
+                 hidden_size=64, moe_intermediate_size=32, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=None, norm_topk_prob=True,
+                 rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", num_hidden_layers=48, num_experts=128, num_experts_per_tok=8,
+                          hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          norm_topk_prob=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                          max_position_embeddings=40960),
+    "mixtral-8x7b": dict(model_type="mixtral", num_hidden_layers=32, num_local_experts=8, num_experts_per_tok=2,
+                         hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=32000, rope_theta=1000000.0, rms_norm_eps=1e-5,
+                         max_position_embeddings=32768),
+}
+
+
+def is_synthetic(model: str) -> bool:
+    return model.startswith(PREFIX)
+
+
+def parse_name(model: str) -> tuple[str, dict]:
+    """'synthetic:NAME[?layers=N]' -> (NAME, overrides of the preset config)."""
+    name, _, query = model[len(PREFIX):].partition("?")
+    if name not in PRESETS:
+        raise LoaderError(f"--model {model}: unknown synthetic preset {name!r} (presets: {', '.join(PRESETS)})")
+    overrides: dict = {}
+    for key, values in parse_qs(query, strict_parsing=bool(query)).items():
+        if key != "layers":
+            raise LoaderError(f"--model {model}: unknown option {key!r} (options: layers=N)")
+        try:
+            overrides["num_hidden_layers"] = int(values[-1])
+        except ValueError:
+            raise LoaderError(f"--model {model}: layers must be an integer, got {values[-1]!r}") from None
+        if overrides["num_hidden_layers"] <= 0:
+            raise LoaderError(f"--model {model}: layers must be positive")
+    return name, overrides
+
+
+def synthetic_spec(model: str, tokenizer_vocab: int) -> ModelSpec:
+    name, overrides = parse_name(model)
+    cfg = {**PRESETS[name], **overrides}
+    if cfg.get("vocab_size") is None:
+        cfg["vocab_size"] = tokenizer_vocab
+    return ModelSpec.from_hf_config(cfg, source=f"synthetic preset {name!r}")
+
+
+def _fill_(t: torch.Tensor, std: float, gen: torch.Generator) -> None:
+    """Fill ``t`` in place with N(0, std) drawn on the generator's device (staged through one
+    temporary of t's size when the devices differ)."""
+    if t.device.type == gen.device.type:  # one GPU: cuda and cuda:0 are the same device
+        t.normal_(0.0, std, generator=gen)
+    else:
+        stage = torch.empty(t.shape, dtype=t.dtype, device=gen.device)
+        stage.normal_(0.0, std, generator=gen)
+        t.copy_(stage)
+
+
+def build_synthetic(model: str, tokenizer_vocab: int, device: torch.device, dtype: torch.dtype, seed: int,
+                    banks_device: torch.device | None = None, progress: Callable[[dict], None] | None = None,
+                    ) -> tuple[ModelSpec, MoECausalLM, ExpertBanks]:
+    """(spec, model on ``device``, banks on ``banks_device`` — host by default) with random weights.
+    ``progress`` gets ``{"phase": "building", "done": n, "total": N, "fraction": f}`` per MoE layer.
+
+    Deterministic for (model, seed, device kind): the generator lives on CUDA when ``device`` is
+    CUDA, on the CPU otherwise.
+    """
+    spec = synthetic_spec(model, tokenizer_vocab)
+    device = torch.device(device)
+    gen_device = device if device.type == "cuda" else torch.device("cpu")
+    gen = torch.Generator(device=gen_device).manual_seed(seed)
+    net = build_empty_model(spec, device, dtype)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                _fill_(p, ROUTER_STD if name.endswith(".gate.weight") else INIT_STD, gen)
+        D, I, E = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
+        fmt = ExpertFormat.UNQUANTIZED
+        layers = []
+        total = spec.num_moe_layers
+        for n in tqdm(range(total), desc=f"building {model}", unit="layer", leave=False):
+            tensors = {}
+            for bank in BANK_SCHEMAS[fmt]:
+                t = torch.empty((E, *bank.shape(D, I)), dtype=bank.dtype or dtype, device=banks_device or "cpu")
+                _fill_(t, INIT_STD, gen)
+                tensors[bank.name] = t
+            layers.append(LayerBanks(fmt, tensors))
+            if progress is not None:
+                progress({"phase": "building", "done": n + 1, "total": total, "fraction": (n + 1) / total})
+    banks = ExpertBanks(layers)
+    log.info("built %s: %d layers (%d MoE), E=%d, A=%d, %.1f GB of experts on %s", model, spec.num_layers,
+             spec.num_moe_layers, E, spec.top_k, banks.total_nbytes() / 1e9, banks_device or "cpu")
+    return spec, net, banks
+
+
+def tokenizer_dir() -> Path:
+    """A directory with the demo tokenizer files (model_dir of every synthetic model)."""
+    from services.engine.models.demo import default_demo_dir, write_tokenizer_files
+
+    d = default_demo_dir().parent / "synthetic-tokenizer"
+    if (d / "generation_config.json").is_file():
+        return d
+    d.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".synthetic-tokenizer.tmp-", dir=d.parent))
+    write_tokenizer_files(tmp)
+    try:
+        os.rename(tmp, d)  # atomic; another process may have won the race
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return d

@@ -1,0 +1,97 @@
+"""Session fixtures for engine tests: tiny random checkpoints written by transformers' own classes
+and ``save_pretrained`` (the independent reference), one per supported architecture.
+
+Weights are re-drawn from a seeded generator (matrices N(0, 0.1), routers N(0, 1) so routing is
+decisive, norms 1 + N(0, 0.1), biases N(0, 0.1)) so every tensor the loader copies matters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.engine.models.demo import write_tokenizer_files
+
+VOCAB = 128
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+              rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def _qwen3():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    # head_dim 32 != hidden/heads (16): the spec must honour config.head_dim. Layer 1 dense.
+    cfg = Qwen3MoeConfig(**COMMON, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=32, intermediate_size=96, head_dim=32, mlp_only_layers=[1],
+                         norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    return Qwen3MoeForCausalLM, cfg, None
+
+
+def _qwen2():
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    # decoder_sparse_step=2: layers 1 and 3 are MoE, 0 and 2 dense. Written sharded.
+    cfg = Qwen2MoeConfig(**COMMON, num_hidden_layers=4, num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=32, intermediate_size=96, shared_expert_intermediate_size=48,
+                         decoder_sparse_step=2, norm_topk_prob=False)
+    return Qwen2MoeForCausalLM, cfg, "200KB"
+
+
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    # A sliding window shorter than prompt + continuation, so the window mask is exercised.
+    cfg = MixtralConfig(**COMMON, num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2,
+                        intermediate_size=32, sliding_window=8)
+    return MixtralForCausalLM, cfg, None
+
+
+def _olmoe():
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    # Tied embeddings: save_pretrained writes no lm_head.weight; the loader must tie it again.
+    cfg = OlmoeConfig(**{**COMMON, "tie_word_embeddings": True}, num_hidden_layers=2, num_experts=8,
+                      num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=False, eos_token_id=2, pad_token_id=0)
+    return OlmoeForCausalLM, cfg, None
+
+
+ARCHS = {"qwen3_moe": _qwen3, "qwen2_moe": _qwen2, "mixtral": _mixtral, "olmoe": _olmoe}
+
+
+@dataclass
+class HFCheckpoint:
+    name: str
+    dir: Path
+    hf: torch.nn.Module  # the transformers model the checkpoint was saved from (eval, fp32)
+
+
+def _randomize_(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * noise)
+            elif name.endswith("gate.weight") and "experts" not in name:
+                p.copy_(noise)  # routers (and Qwen2's shared_expert_gate): decisive top-k
+            else:
+                p.copy_(0.1 * noise)
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory) -> dict[str, HFCheckpoint]:
+    out = {}
+    for seed, (name, make) in enumerate(ARCHS.items()):
+        cls, cfg, shard = make()
+        cfg._attn_implementation = "eager"
+        torch.manual_seed(seed)
+        model = cls(cfg).eval()
+        _randomize_(model, seed)
+        d = tmp_path_factory.mktemp(name)
+        model.save_pretrained(d, **({"max_shard_size": shard} if shard else {}))
+        write_tokenizer_files(d)
+        out[name] = HFCheckpoint(name, d, model)
+    return out

@@ -1,0 +1,48 @@
+"""Helpers shared by the tests (one copy, not one per test file)."""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.runtime.kv_cache import ForwardBatch, KVCache
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Max abs difference accepted between two implementations (fp32 ~1e-5, bf16 ~2e-2)."""
+    return 1e-4 if dtype == torch.float32 else 2e-2
+
+
+def greedy_generate(loaded, prompt_ids: list[int], n: int, slot: int = 0) -> list[int]:
+    """``n`` greedy tokens after ``prompt_ids`` with the engine's own forward + KVCache (one prefill
+    step, then one decode step per token). Compare backends by calling this on each."""
+    kv = KVCache(loaded.spec, slot + 1, len(prompt_ids) + n, loaded.device, loaded.dtype)
+    ids = torch.tensor(prompt_ids, dtype=torch.long, device=loaded.device)
+    positions = torch.arange(len(prompt_ids), device=loaded.device)
+    logits = loaded.model(ids, positions, ForwardBatch.single(slot, 0, len(prompt_ids)), kv)  # [1, V]
+    out: list[int] = []
+    for step in range(n):
+        token = int(logits[0].argmax())
+        out.append(token)
+        if step == n - 1:
+            break
+        pos = len(prompt_ids) + step
+        logits = loaded.model(torch.tensor([token], device=loaded.device), torch.tensor([pos], device=loaded.device),
+                              ForwardBatch.single(slot, pos, 1), kv)
+    return out
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], n: int) -> list[int]:
+    """Reference greedy continuation with a transformers model (full recompute each step: no cache
+    code shared with anything under test)."""
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf_model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt_ids):]
+
+
+def hf_last_logits(hf_model, prompt_ids: list[int]) -> torch.Tensor:
+    """[V] fp32 logits of transformers at the last prompt position."""
+    with torch.no_grad():
+        return hf_model(torch.tensor([prompt_ids])).logits[0, -1].float()
