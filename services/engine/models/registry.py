@@ -65,7 +65,7 @@ def load_model(config: EngineConfig, progress: Callable[[dict], None] | None = N
     "fraction": f}`` (for /health). Raises LoaderError on a bad checkpoint."""
     device, dtype = torch_device(config), TORCH_DTYPES[config.dtype]
     if synthetic.is_synthetic(config.model):
-        model_dir = synthetic.tokenizer_dir()
+        model_dir = synthetic.tokenizer_dir(config.model)
         # Resident on CUDA keeps the banks on the GPU from the start: no 2x60 GB host round trip.
         on_device = config.moe_backend is MoEBackend.RESIDENT and device.type == "cuda"
         spec, model, banks = synthetic.build_synthetic(

@@ -133,18 +133,34 @@ def build_synthetic(model: str, tokenizer_vocab: int, device: torch.device, dtyp
     return spec, net, banks
 
 
-def tokenizer_dir() -> Path:
-    """A directory with the demo tokenizer files (model_dir of every synthetic model)."""
+def tokenizer_dir(model: str) -> Path:
+    """A directory with the demo tokenizer files (model_dir of every synthetic model). A preset whose
+    vocabulary is larger than the demo tokenizer's (qwen3-30b-a3b: 151936) gets the tokenizer padded with
+    plain added tokens ``<|sN|>`` up to that size, so every id the model samples decodes to text and the
+    client sees one SSE event per token (what the decode benchmark times)."""
     from services.engine.models.demo import default_demo_dir, write_tokenizer_files
 
-    d = default_demo_dir().parent / "synthetic-tokenizer"
+    name, overrides = parse_name(model)
+    vocab_size = {**PRESETS[name], **overrides}.get("vocab_size")
+    d = default_demo_dir().parent / f"synthetic-tokenizer-{vocab_size or 'demo'}"
     if (d / "generation_config.json").is_file():
         return d
     d.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".synthetic-tokenizer.tmp-", dir=d.parent))
     write_tokenizer_files(tmp)
+    if vocab_size:
+        _pad_tokenizer(tmp / "tokenizer.json", vocab_size)
     try:
         os.rename(tmp, d)  # atomic; another process may have won the race
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
     return d
+
+
+def _pad_tokenizer(path: Path, vocab_size: int) -> None:
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_file(str(path))
+    start = tok.get_vocab_size()
+    tok.add_tokens([AddedToken(f"<|s{i}|>", special=False, normalized=False) for i in range(start, vocab_size)])
+    tok.save(str(path))

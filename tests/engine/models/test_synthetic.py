@@ -60,3 +60,14 @@ def test_real_geometries():
 def test_bad_names(model, match):
     with pytest.raises(LoaderError, match=match):
         load_model(EngineConfig(model=model))
+
+
+def test_large_vocab_preset_gets_a_tokenizer_that_decodes_every_id(monkeypatch, tmp_path):
+    from services.common.tokenizer import Tokenizer
+    from services.engine.models.synthetic import tokenizer_dir
+
+    monkeypatch.setenv("TANDEM_DEMO_DIR", str(tmp_path / "demo"))
+    tok = Tokenizer.from_dir(tokenizer_dir("synthetic:mixtral-8x7b"))
+    ids = [0, 500, 31999]  # 31999 lies far past the demo tokenizer's ~700 trained tokens
+    assert all(tok.decode([i]) for i in ids)
+    assert tok.decode([31999]) == "<|s31999|>"
