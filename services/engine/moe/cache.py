@@ -1,0 +1,115 @@
+"""ExpertCache: the GPU slot pool shared by all MoE layers (DESIGN.md §3).
+
+Legend: L MoE layers · E experts per layer · S slots · T tokens · A experts per token · C = min(E, S).
+
+It owns the slot banks (``slot_banks[name]`` is ``[S, *bank shape]``, one per bank of the format, the
+same shapes and dtype as the host banks), the tables and counters of ``kernels.ensure_experts_ref.
+CacheState``, and the copy plan of ``kernels.gather_copy``. Per layer and chunk a backend calls
+
+    slot_ids = cache.ensure(layer, topk_ids, chunk)   # [T, A] slot of each route in the chunk, else -1
+    cache.copy_missing()                               # the chunk's misses host -> slots
+
+and computes straight from ``slot_banks``. Both calls stay on the device (no host round trip) when the
+device is CUDA; on CPU devices they run the torch reference and the per-bank copy. Counters accumulate on
+the device; ``stats()`` copies them once, when asked.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.ensure_experts_ref import CacheState, ensure_experts_reference, num_chunks
+from services.common.settings import env
+from services.engine.moe.banks import ExpertBanks
+
+
+def _copy_mode():
+    from kernels.gather_copy import CopyMode
+
+    value = env("TANDEM_COPY_MODE")
+    try:
+        return CopyMode(value)
+    except ValueError:
+        choices = ", ".join(m.value for m in CopyMode)
+        raise ValueError(f"TANDEM_COPY_MODE={value!r}: expected one of {choices}") from None
+
+
+class ExpertCache:
+    """The slot pool. ``use_triton`` defaults to "the device is CUDA"; tests may force the Triton kernels
+    on the CPU under TRITON_INTERPRET."""
+
+    def __init__(self, banks: ExpertBanks, num_slots: int, device: torch.device,
+                 use_triton: bool | None = None) -> None:
+        # Imported here, not at module level: Triton reads TRITON_INTERPRET when a kernel is defined.
+        from kernels.gather_copy import CopyPlan
+
+        if not banks.layers:
+            raise ValueError("expert cache: the model has no MoE layer banks")
+        self.num_layers = len(banks.layers)
+        self.num_experts = banks.layers[0].num_experts
+        self.format = banks.layers[0].format
+        self.device = torch.device(device)
+        self.state = CacheState.allocate(self.num_layers, self.num_experts, num_slots, self.device)
+        host_layers = [layer.tensors for layer in banks.layers]
+        if self.device.type == "cuda":  # the fused copy reads host memory through its UVA address
+            for l, layer in enumerate(host_layers):
+                for name, t in layer.items():
+                    if not t.is_pinned():
+                        raise ValueError(f"expert cache: host bank {name!r} of MoE layer {l} is not pinned "
+                                         "(pin the banks before building the cache: registry.pin_banks)")
+        # zeros, not empty: skipped routes read slot 0 with weight 0, and 0 * NaN garbage would be NaN
+        self.slot_banks = {name: torch.zeros((num_slots, *t.shape[1:]), dtype=t.dtype, device=self.device)
+                           for name, t in host_layers[0].items()}  # [S, ...] per bank
+        self.plan = CopyPlan(host_layers, self.slot_banks)
+        self.copy_mode = _copy_mode()
+        self.use_triton = self.device.type == "cuda" if use_triton is None else use_triton
+        self.expert_nbytes = self.plan.expert_nbytes()
+
+    @property
+    def num_slots(self) -> int:
+        return self.state.num_slots
+
+    def slot_nbytes(self) -> int:
+        return self.num_slots * self.expert_nbytes
+
+    def num_chunks(self, num_routes: int) -> int:
+        """Calls per layer for ``num_routes`` = T*A routes: ceil(min(E, T*A) / min(E, S)); 1 whenever
+        S >= E (every prefill) or the step's routes fit (decode with S >= T*A)."""
+        return num_chunks(self.state, num_routes)
+
+    def ensure(self, layer: int, topk_ids: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+        """topk_ids [T, A] expert ids of ``layer`` -> slot ids [T, A] int64 (-1: route not in this chunk).
+        Records the copy jobs of this chunk; see kernels/ensure_experts.py."""
+        out = torch.empty(topk_ids.shape, dtype=torch.int64, device=topk_ids.device)
+        if self.use_triton:
+            from kernels.ensure_experts import ensure_experts
+
+            return ensure_experts(self.state, layer, topk_ids, out, chunk)
+        return ensure_experts_reference(self.state, layer, topk_ids, out, chunk)
+
+    def copy_missing(self, max_jobs: int | None = None) -> None:
+        """Copy the jobs of the last ``ensure`` for every bank (one fused launch on CUDA). ``max_jobs``: a
+        bound known from the shapes (T*A) that trims the launch grid."""
+        from kernels.gather_copy import copy_missing
+
+        s = self.state
+        copy_missing(self.plan, s.job_src, s.job_dst, s.job_count, self.copy_mode, max_jobs, self.use_triton)
+
+    def stats(self) -> dict:
+        """Counters since start (one device->host copy): totals and per layer, bytes, hit rate."""
+        counters = torch.stack([self.state.hits, self.state.misses, self.state.fetched]).cpu()  # [3, L]
+        hits, misses, fetched = (row.tolist() for row in counters)
+        lookups = sum(hits) + sum(misses)
+        return {
+            "slots": self.num_slots,
+            "slot_bytes": self.slot_nbytes(),
+            "share_of_experts": self.num_slots / (self.num_layers * self.num_experts),
+            "expert_bytes": self.expert_nbytes,
+            "copy_mode": self.copy_mode.value,
+            "hits": sum(hits),
+            "misses": sum(misses),
+            "fetched": sum(fetched),
+            "bytes_fetched": sum(fetched) * self.expert_nbytes,
+            "hit_rate": sum(hits) / lookups if lookups else 0.0,
+            "per_layer": {"hits": hits, "misses": misses, "fetched": fetched},
+        }

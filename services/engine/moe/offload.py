@@ -1,0 +1,74 @@
+"""The `offload` backend: experts live in (pinned) host banks; a GPU slot cache holds the recently used
+ones; misses are fetched over PCIe and every routed expert is computed on the GPU (DESIGN.md §2-3).
+
+Legend: T tokens · A experts per token · E experts per layer · S slots · D hidden · C = min(E, S).
+
+Per MoE layer and chunk:  ensure (LRU, rewrite ids to slots) -> copy_missing (fused H2D) -> expert GEMMs
+straight from the slot banks, grouped per slot (the same two compute paths as `resident`, indexed by slot
+instead of expert: no per-step copy of a whole bank). A step whose unique experts exceed the cache (a long
+prefill with S < E) runs ceil(min(E, T*A) / C) chunks; each route is computed in exactly one of them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.common.logging import get_logger
+from services.engine.config import MoEBackend
+from services.engine.moe.backends import BackendContext, register_backend
+from services.engine.moe.banks import ExpertFormat
+from services.engine.moe.cache import ExpertCache
+from services.engine.moe.resident import GATHER_MAX_ROUTES, moe_gathered, moe_grouped
+from services.engine.moe.sizing import CacheGeometry, decide_cache_size
+
+log = get_logger("moe.offload")
+
+
+def kv_reserve_bytes(ctx: BackendContext) -> int:
+    """KV bytes still to be allocated: max_seq_len x max_running_requests x bytes per token. The per-token
+    size comes from ``ctx.kv_bytes_per_token`` when the context carries it (0 otherwise, logged)."""
+    per_token = getattr(ctx, "kv_bytes_per_token", None)
+    if per_token is None:
+        if ctx.config.moe_cache_auto:
+            log.warning("--moe-cache-auto: the backend context has no kv_bytes_per_token; no KV reserve is kept")
+        return 0
+    return int(per_token) * ctx.config.max_seq_len * ctx.config.max_running_requests
+
+
+class OffloadBackend:
+    def __init__(self, ctx: BackendContext, num_slots: int | None = None, use_triton: bool | None = None) -> None:
+        banks = ctx.banks
+        if not banks.layers:
+            raise ValueError("--moe-backend offload: the model has no MoE layers")
+        fmt = banks.layers[0].format
+        if fmt is not ExpertFormat.UNQUANTIZED:
+            raise NotImplementedError(f"--moe-backend offload: expert format {fmt.value} has no GPU compute path yet")
+        geom = CacheGeometry(len(banks.layers), banks.layers[0].num_experts, ctx.top_k, banks.expert_nbytes())
+        if num_slots is None:
+            num_slots = decide_cache_size(ctx.config, geom, ctx.device, ctx.weight_bytes_on_device,
+                                          kv_reserve_bytes(ctx)).slots
+        elif num_slots < geom.min_slots:
+            raise ValueError(f"offload cache of {num_slots} slots is below the minimum of {geom.min_slots}")
+        self.cache = ExpertCache(banks, num_slots, ctx.device, use_triton)
+
+    def forward(self, moe_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        """hidden [T, D] · topk_ids [T, A] int64 · topk_weights [T, A] -> [T, D]."""
+        gate_up, down = self.cache.slot_banks["gate_up"], self.cache.slot_banks["down"]  # [S, 2I, D], [S, D, I]
+        gathered = hidden.is_cuda and topk_ids.numel() <= GATHER_MAX_ROUTES  # graph-capturable decode path
+        compute = moe_gathered if gathered else moe_grouped
+        out = None
+        for chunk in range(self.cache.num_chunks(topk_ids.numel())):
+            slot_ids = self.cache.ensure(moe_layer, topk_ids, chunk)  # [T, A], -1 outside the chunk
+            self.cache.copy_missing(max_jobs=topk_ids.numel())  # a step has at most T*A misses
+            part = compute(hidden, slot_ids, topk_weights, gate_up, down)  # [T, D]
+            out = part if out is None else out + part
+        return out
+
+    def stats(self) -> dict:
+        return {"backend": MoEBackend.OFFLOAD.value, "cache": self.cache.stats()}
+
+
+@register_backend(MoEBackend.OFFLOAD)
+def _make_offload(ctx: BackendContext) -> OffloadBackend:
+    return OffloadBackend(ctx)
