@@ -1,0 +1,328 @@
+"""The measurements of `tandem bench bw`. Each returns GB/s (1e9 B/s) or seconds.
+
+Dimension legend: E experts per layer · A experts per token (top-k) · D hidden · I expert intermediate.
+
+Two layers (benchmarks guide §5.2): ceilings (STREAM-style CPU read, linear pinned H2D/D2H) and the
+real kernels per expert format (the CPU executor at batch 1, the PCIe gather through copy_missing),
+then both kernels at once, competing for host DRAM — those concurrent numbers set the split.
+Each measurement runs for about ``seconds`` of wall time after one warm-up call.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from services.common.logging import get_logger
+
+log = get_logger("profiler.probes")
+
+GB = 1e9
+
+
+def _loop(fn: Callable[[], int], seconds: float, stop: threading.Event | None = None) -> tuple[int, float]:
+    """Call ``fn`` (returns bytes moved) until ``seconds`` pass (or ``stop`` is set): (bytes, elapsed s)."""
+    fn()  # warm-up (first-touch, allocator, lazy init)
+    moved, t0 = 0, time.perf_counter()
+    while True:
+        moved += fn()
+        el = time.perf_counter() - t0
+        if el >= seconds or (stop is not None and stop.is_set()):
+            return moved, el
+
+
+# ------------------------------------------------------------------------------------------------ CPU read
+
+def cpu_read(buffer_bytes: int, cpus: list[int], seconds: float) -> float:
+    """STREAM-style read: one thread per physical core (pinned to ``cpus``), each summing its own
+    slice of a float32 buffer (numpy's sum releases the GIL). GB/s over all threads."""
+    n = max(len(cpus), 1)
+    per = max(buffer_bytes // 4 // n, 1024)
+    data = np.ones(per * n, dtype=np.float32)  # [n * per], written once so pages are real
+    chunks = [data[i * per:(i + 1) * per] for i in range(n)]
+    barrier, totals = threading.Barrier(n), [0.0] * n
+
+    def worker(i: int) -> None:
+        if hasattr(os, "sched_setaffinity") and cpus:
+            try:
+                os.sched_setaffinity(0, {cpus[i]})  # pid 0 = this thread on Linux
+            except OSError:
+                pass
+        chunk = chunks[i]
+        chunk.sum()
+        barrier.wait()
+        moved, el = _loop(lambda: (chunk.sum(), chunk.nbytes)[1], seconds)
+        totals[i] = moved / el
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(totals) / GB
+
+
+# ------------------------------------------------------------------------------------------------ banks
+
+@dataclass
+class ExpertBank:
+    """One layer's experts in host memory: gate_up [E, 2I, D], down [E, D, I] (pinned when a GPU is
+    measured: the real banks are pinned)."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up.shape[0]
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.gate_up[0].nbytes + self.down[0].nbytes
+
+
+def make_bank(E: int, D: int, I: int, dtype: torch.dtype, pin: bool) -> ExpertBank:
+    gate_up = torch.empty(E, 2 * I, D, dtype=dtype).normal_(0, 0.02)  # [E, 2I, D]
+    down = torch.empty(E, D, I, dtype=dtype).normal_(0, 0.02)  # [E, D, I]
+    if pin:
+        gate_up, down = gate_up.pin_memory(), down.pin_memory()
+    return ExpertBank(gate_up, down)
+
+
+def _rotating_ids(E: int, A: int):
+    """Distinct expert ids per step, rotating through the whole bank so reads come from DRAM, not LLC."""
+    step = 0
+    while True:
+        yield [(step * A + k) % E for k in range(A)]  # A consecutive ids: distinct while A <= E
+        step += 1
+
+
+# ------------------------------------------------------------------------------------------------ CPU kernel
+
+class CpuKernel:
+    """The CPU side of hybrid at batch 1: A experts of one layer for one token.
+
+    impl "executor": the cpu helper's C++ executor (services/engine/moe/cpu_executor.py), the kernel
+    hybrid really runs; "torch": per-expert torch GEMVs (no extension needed); "auto": the executor when
+    it is in the tree and builds, else torch with a warning (the profile records which one ran)."""
+
+    def __init__(self, bank: ExpertBank, top_k: int, threads: int, impl: str = "auto"):
+        self.bank, self.A = bank, min(top_k, bank.num_experts)
+        D = bank.gate_up.shape[2]
+        self.x = torch.randn(1, D, dtype=bank.gate_up.dtype)  # [1, D]
+        self.w = torch.full((1, self.A), 1.0 / self.A)  # [1, A]
+        self.ids = _rotating_ids(bank.num_experts, self.A)
+        self.executor = None
+        if impl in ("auto", "executor") and have_module("services.engine.moe.cpu_executor"):
+            try:
+                from services.engine.moe.banks import ExpertBanks, ExpertFormat, LayerBanks
+                from services.engine.moe.cpu_executor import CpuExecutor
+
+                banks = ExpertBanks([LayerBanks(ExpertFormat.UNQUANTIZED, {"gate_up": bank.gate_up, "down": bank.down})])
+                self.executor = CpuExecutor(banks, num_threads=threads)
+            except RuntimeError as ex:
+                if impl == "executor":
+                    raise
+                log.warning("cpu executor unavailable, measuring torch GEMVs instead: %s", ex)
+        elif impl == "executor":
+            raise RuntimeError("--cpu-kernel executor: services/engine/moe/cpu_executor.py is not in the tree")
+        if self.executor is None:
+            torch.set_num_threads(threads)
+        self.name = f"cpu_executor({self.executor.isa})" if self.executor else "torch"
+
+    def _torch_step(self, ids: list[int]) -> None:
+        I = self.bank.down.shape[2]
+        for e in ids:
+            h = self.x @ self.bank.gate_up[e].t()  # [1, 2I]
+            _ = (F.silu(h[:, :I]) * h[:, I:]) @ self.bank.down[e].t()  # [1, D]
+
+    def step(self) -> int:
+        """One layer's A experts; returns expert bytes read."""
+        ids = next(self.ids)
+        if self.executor is not None:
+            self.executor.forward(0, self.x, torch.tensor([ids], dtype=torch.int64), self.w)  # [1, D]
+        else:
+            self._torch_step(ids)
+        return self.A * self.bank.expert_bytes
+
+    def read_ceiling(self, buffer_bytes: int) -> float | None:
+        """The executor pool's STREAM-style read (GB/s), or None without the executor."""
+        return self.executor.read_bandwidth(buffer_bytes, reps=3) / GB if self.executor else None
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.close()
+
+
+def cpu_kernel_bw(kernel: CpuKernel, seconds: float, stop: threading.Event | None = None) -> float:
+    moved, el = _loop(kernel.step, seconds, stop)
+    return moved / el / GB
+
+
+# ------------------------------------------------------------------------------------------------ GPU side
+
+def _cuda_timed(fn: Callable[[], int], seconds: float) -> float:
+    """GB/s of ``fn`` (enqueues copies, returns bytes) timed with a sync per call."""
+    def call() -> int:
+        n = fn()
+        torch.cuda.synchronize()
+        return n
+    moved, el = _loop(call, seconds)
+    return moved / el / GB
+
+
+def linear_copy(buffer_bytes: int, device: int, seconds: float) -> tuple[float, float]:
+    """(H2D, D2H) GB/s of one linear pinned <-> device copy of ``buffer_bytes``."""
+    host = torch.empty(buffer_bytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(buffer_bytes, dtype=torch.uint8, device=f"cuda:{device}")
+    h2d = _cuda_timed(lambda: (dev.copy_(host, non_blocking=True), buffer_bytes)[1], seconds)
+    d2h = _cuda_timed(lambda: (host.copy_(dev, non_blocking=True), buffer_bytes)[1], seconds)
+    return h2d, d2h
+
+
+class Gather:
+    """The offload path's PCIe gather: A experts of one layer into GPU slots, every bank, through the
+    cache helper's fused ``copy_missing`` (kernels/gather_copy.py, one launch) when it is in the tree,
+    else one ``copy_`` per expert and bank (what physlimits.py measures)."""
+
+    def __init__(self, bank: ExpertBank, top_k: int, device: int):
+        self.bank, self.A = bank, min(top_k, bank.num_experts)
+        dev = torch.device(f"cuda:{device}")
+        self.slots = {"gate_up": torch.empty((self.A, *bank.gate_up.shape[1:]), dtype=bank.gate_up.dtype, device=dev),
+                      "down": torch.empty((self.A, *bank.down.shape[1:]), dtype=bank.down.dtype, device=dev)}
+        self.ids = _rotating_ids(bank.num_experts, self.A)
+        self.plan = None
+        if have_module("kernels.gather_copy"):
+            from kernels.gather_copy import CopyPlan
+
+            self.plan = CopyPlan([{"gate_up": bank.gate_up, "down": bank.down}], self.slots)
+            E = bank.num_experts
+            steps = max(1, E // self.A)
+            table = [[(s * self.A + k) % E for k in range(self.A)] for s in range(steps)]
+            self.job_src = torch.tensor(table, dtype=torch.int32, device=dev)  # [steps, A] flat ids (layer 0)
+            self.job_dst = torch.arange(self.A, dtype=torch.int32, device=dev)  # [A] slots
+            self.job_count = torch.tensor([self.A], dtype=torch.int32, device=dev)  # [1]
+            self.step_no = 0
+        self.name = "copy_missing(fused)" if self.plan is not None else "copy_"
+
+    def issue(self) -> int:
+        """Enqueue one layer's gather (no sync); returns bytes."""
+        if self.plan is not None:
+            from kernels.gather_copy import CopyMode, copy_missing
+
+            src = self.job_src[self.step_no % self.job_src.shape[0]]
+            self.step_no += 1
+            copy_missing(self.plan, src, self.job_dst, self.job_count, mode=CopyMode.FUSED, max_jobs=self.A)
+        else:
+            for s, e in enumerate(next(self.ids)):
+                self.slots["gate_up"][s].copy_(self.bank.gate_up[e], non_blocking=True)
+                self.slots["down"][s].copy_(self.bank.down[e], non_blocking=True)
+        return self.A * self.bank.expert_bytes
+
+
+def gather_bw(gather: Gather, seconds: float) -> float:
+    return _cuda_timed(gather.issue, seconds)
+
+
+def concurrent(kernel: CpuKernel, gather: Gather, seconds: float) -> tuple[float, float]:
+    """(pcie_ov, cpu_ov) GB/s: the CPU kernel loops in a thread while this thread gathers."""
+    stop, started, result = threading.Event(), threading.Event(), [0.0]
+
+    def cpu_side() -> None:
+        kernel.step()
+        started.set()
+        result[0] = cpu_kernel_bw(kernel, 1e9, stop)
+
+    t = threading.Thread(target=cpu_side, daemon=True)
+    t.start()
+    started.wait()
+    try:
+        pcie = gather_bw(gather, seconds)
+    finally:
+        stop.set()
+        t.join()
+    return pcie, result[0]
+
+
+# ------------------------------------------------------------------------------------------------ c_sync
+
+def _median_seconds(fn: Callable[[], None], seconds: float, min_samples: int = 50) -> float:
+    for _ in range(20):
+        fn()
+    samples, t_end = [], time.perf_counter() + seconds
+    while time.perf_counter() < t_end or len(samples) < min_samples:
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    samples.sort()
+    return samples[len(samples) // 2]
+
+
+def c_sync(kernel: CpuKernel, hidden: int, device: int | None, seconds: float) -> float:
+    """Seconds per layer the hybrid path pays to hand work to the CPU and get it back, with no work
+    (all ids -1): with the executor on a GPU, its DeviceHandoff submit + sync + upload; with the
+    executor alone, submit + wait; else a Python thread round trip (+ small D2H/H2D on a GPU, as
+    syncprobe.py measures). Median of many round trips."""
+    dtype, A = kernel.bank.gate_up.dtype, kernel.A
+    if kernel.executor is not None and device is not None:
+        from services.engine.moe.cpu_executor import DeviceHandoff
+
+        dev = torch.device(f"cuda:{device}")
+        handoff = DeviceHandoff(kernel.executor, dev, 1, hidden, A, dtype)
+        x = torch.randn(1, hidden, dtype=dtype, device=dev)  # [1, D]
+        ids = torch.full((1, A), -1, dtype=torch.int64, device=dev)  # [1, A] nothing for the CPU
+        w = torch.zeros(1, A, dtype=torch.float32, device=dev)
+
+        def roundtrip() -> None:
+            handoff.submit(0, x, ids, w)
+            handoff.sync()
+            torch.cuda.current_stream(dev).synchronize()
+        return _median_seconds(roundtrip, seconds)
+    if kernel.executor is not None:
+        x, ids, w = torch.randn(1, hidden, dtype=dtype), torch.full((1, A), -1, dtype=torch.int64), torch.zeros(1, A)
+        return _median_seconds(lambda: kernel.executor.forward(0, x, ids, w), seconds)
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    done: queue.SimpleQueue = queue.SimpleQueue()
+
+    def worker() -> None:
+        while (job := jobs.get()) is not None:
+            done.put(job)
+
+    t = threading.Thread(target=worker, daemon=True)
+    t.start()
+    if device is not None:
+        xd = torch.randn(1, hidden, dtype=dtype, device=f"cuda:{device}")  # [1, D]
+        xh, yh = torch.empty(1, hidden, dtype=dtype).pin_memory(), torch.empty(1, hidden, dtype=dtype).pin_memory()
+        yd = torch.empty_like(xd)
+
+    def roundtrip_py() -> None:
+        if device is not None:
+            xh.copy_(xd, non_blocking=True)
+            torch.cuda.current_stream(device).synchronize()
+        jobs.put(1)
+        done.get()
+        if device is not None:
+            yd.copy_(yh, non_blocking=True)
+            torch.cuda.current_stream(device).synchronize()
+    try:
+        return _median_seconds(roundtrip_py, seconds)
+    finally:
+        jobs.put(None)
+        t.join()
+
+
+def have_module(name: str) -> bool:
+    """Whether another helper's module is in the tree (its absence is a fallback, not an error)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
