@@ -56,7 +56,7 @@ def register_backend(kind: MoEBackend) -> Callable[[BackendFactory], BackendFact
 
 
 # Modules whose import registers a backend. A new backend adds its module here.
-_BACKEND_MODULES = ("services.engine.moe.resident",)
+_BACKEND_MODULES = ("services.engine.moe.resident", "services.engine.moe.offload", "services.engine.moe.hybrid")
 
 
 def make_backend(ctx: BackendContext) -> ExpertBackend:

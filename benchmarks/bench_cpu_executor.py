@@ -1,0 +1,188 @@
+"""CPU MoE executor at bs=1 against the CPU's DRAM read ceiling, both measured in this run.
+
+Geometry (defaults): Qwen3-30B-A3B experts (D=2048, I=768, bf16, 9.4 MB each), top-8 of 128, one
+layer's bank per `--layers` rotated so no expert is re-read from cache. Rounds interleave a read trial
+(STREAM-style sum by the executor's own pinned pool) and a GEMV trial, so a noisy neighbour hits both;
+the best trial of each is reported. Target: executor >= 80% of the read ceiling (issue 4).
+With CUDA: c_sync = the fixed per-layer cost of submit + sync through pinned buffers (DeviceHandoff),
+measured as a layer loop with an empty CPU job minus the same loop without the handoff.
+
+    python -m benchmarks.bench_cpu_executor [--threads N] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from services.engine.moe.banks import ExpertBanks, ExpertFormat
+from services.engine.moe.cpu_executor import CpuExecutor, DeviceHandoff, GraphHandoff, default_num_threads
+
+
+def gemv_trial(ex: CpuExecutor, banks: ExpertBanks, A: int, seconds: float, step0: int, tokens: int) -> tuple[float, int]:
+    """Bytes/s of bs=`tokens` decode steps for `seconds`, experts rotating over layers and ids."""
+    E = banks.layers[0].num_experts
+    D = banks.layers[0].tensors["down"].shape[1]
+    dtype = banks.layers[0].tensors["down"].dtype
+    hidden = torch.randn(tokens, D).to(dtype)  # [T, D]
+    weights = torch.rand(tokens, A)  # [T, A]
+    base = torch.arange(A) * (E // A)  # A distinct experts spread over the bank
+    nbytes, n, t0 = 0, step0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        layer = n % len(banks.layers)
+        ids = ((base + n * 7) % E).repeat(tokens, 1)  # [T, A]: every token routes the same A experts
+        ex.forward(layer, hidden, ids, weights)
+        nbytes += ex.last_experts * banks.expert_nbytes()
+        n += 1
+    return nbytes / (time.perf_counter() - t0), n
+
+
+def measure_c_sync(ex: CpuExecutor, D: int, A: int, dtype: torch.dtype, layers: int = 48, reps: int = 20) -> dict:
+    """Per-layer cost of submit + sync on CUDA (seconds): a loop of `layers` tiny GPU ops with an empty
+    CPU job (all ids -1) handed off per layer, minus the same loop without the handoff."""
+    dev = torch.device("cuda")
+    hand = DeviceHandoff(ex, dev, 1, D, A, dtype)
+    x = torch.randn(1, D, device=dev, dtype=dtype)
+    ids = torch.full((1, A), -1, dtype=torch.int64, device=dev)
+    w = torch.rand(1, A, device=dev)
+
+    def loop(handoff: bool) -> float:
+        best = float("inf")
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            y = x.float()
+            for layer in range(layers):
+                y = y * 0.5 + 1.0  # stands in for the layer's GPU work
+                if handoff:
+                    hand.submit(0, x, ids, w)
+                    y = y + hand.sync()
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        return best / layers
+
+    loop(True)
+    with_handoff, without = loop(True), loop(False)
+    res = {"c_sync_s": with_handoff - without, "layer_with_handoff_s": with_handoff, "layer_gpu_only_s": without}
+    res.update(measure_c_sync_graph(ex, D, A, dtype, layers, reps))
+    return res
+
+
+def measure_c_sync_graph(ex: CpuExecutor, D: int, A: int, dtype: torch.dtype, layers: int, reps: int) -> dict:
+    """The same per-layer cost with the capturable handoff (GraphHandoff), the layer loop captured in
+    one CUDA graph and replayed: what a graph-mode decode step pays per layer."""
+    dev = torch.device("cuda")
+    hand = GraphHandoff(ex, dev, 1, D, A, dtype)
+    try:
+        x = torch.randn(1, D, device=dev, dtype=dtype)
+        ids = torch.full((1, A), -1, dtype=torch.int64, device=dev)
+        w = torch.rand(1, A, device=dev)
+
+        def body(handoff: bool) -> torch.Tensor:
+            y = x.float()
+            for _ in range(layers):
+                y = y * 0.5 + 1.0
+                if handoff:
+                    hand.submit(0, x, ids, w)
+                    y = hand.sync_add(0, y)
+            return y
+
+        out = {}
+        for handoff in (True, False):
+            body(handoff)  # compile / warm up
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                body(handoff)
+            best = float("inf")
+            for _ in range(reps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                graph.replay()
+                torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - t0)
+            out[handoff] = best / layers
+        return {"c_sync_graph_s": out[True] - out[False], "graph_layer_with_handoff_s": out[True],
+                "graph_layer_gpu_only_s": out[False], "graph_handoff_error": hand.poll_stats()["error"]}
+    finally:
+        hand.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--layers", type=int, default=1, help="banks rotated through (more layers: colder caches)")
+    p.add_argument("--tokens", type=int, default=1, help="tokens per step (bs)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="executor workers (default: as the hybrid backend on CUDA, one per physical core but one)")
+    p.add_argument("--isa", default="", help="force avx512bf16|avx512|avx2|scalar")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--trial-seconds", type=float, default=0.5)
+    p.add_argument("--read-mib", type=int, default=1024, help="read-ceiling buffer size")
+    p.add_argument("--json", default=None, help="write the results to this path")
+    args = p.parse_args(argv)
+
+    dtype = getattr(torch, args.dtype)
+    banks = ExpertBanks.allocate(ExpertFormat.UNQUANTIZED, args.layers, args.experts, args.hidden, args.intermediate, dtype)
+    for layer in banks.layers:
+        for t in layer.tensors.values():
+            t.uniform_(-0.05, 0.05)
+    ex = CpuExecutor(banks, num_threads=args.threads or default_num_threads(leave_driver_core=True), isa=args.isa)
+    read_buf = torch.ones(args.read_mib * (1 << 20) // 4, dtype=torch.float32)
+    gemv_trial(ex, banks, args.top_k, 0.2, 0, args.tokens)  # warm-up: threads, page tables
+
+    reads, gemvs, step = [], [], 0
+    for _ in range(args.rounds):
+        reads.append(read_buf.numel() * 4 / ex._impl.read_seconds(read_buf, 3))
+        bw, step = gemv_trial(ex, banks, args.top_k, args.trial_seconds, step, args.tokens)
+        gemvs.append(bw)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        read_buf.sum()
+    torch_sum = 3 * read_buf.numel() * 4 / (time.perf_counter() - t0)
+
+    expert_mb = banks.expert_nbytes() / 1e6
+    res = {
+        "isa": ex.isa, "threads": ex.num_threads, "dtype": args.dtype, "tokens": args.tokens,
+        "experts": args.experts, "top_k": args.top_k, "hidden": args.hidden, "intermediate": args.intermediate,
+        "expert_mb": expert_mb,
+        "read_ceiling_gbs": max(reads) / 1e9, "read_median_gbs": statistics.median(reads) / 1e9,
+        "torch_sum_gbs": torch_sum / 1e9,
+        "executor_gbs": max(gemvs) / 1e9, "executor_median_gbs": statistics.median(gemvs) / 1e9,
+        "ms_per_layer_step": args.top_k * banks.expert_nbytes() / max(gemvs) * 1e3,
+    }
+    res["executor_vs_ceiling"] = res["executor_gbs"] / res["read_ceiling_gbs"]
+    if torch.cuda.is_available():
+        res.update(measure_c_sync(ex, args.hidden, args.top_k, dtype))
+        res["device"] = torch.cuda.get_device_name()
+
+    print(f"CPU MoE executor · isa {res['isa']} · {res['threads']} threads · {args.dtype} · bs={args.tokens} · "
+          f"top-{args.top_k} of {args.experts} · expert {args.hidden}x{args.intermediate} ({expert_mb:.1f} MB)")
+    print(f"{'measure':<36}{'best GB/s':>12}{'median GB/s':>14}")
+    print(f"{'CPU read ceiling (pool, AVX sum)':<36}{res['read_ceiling_gbs']:>12.1f}{res['read_median_gbs']:>14.1f}")
+    print(f"{'torch sum (reference)':<36}{res['torch_sum_gbs']:>12.1f}{'':>14}")
+    print(f"{'executor GEMV (bytes read / time)':<36}{res['executor_gbs']:>12.1f}{res['executor_median_gbs']:>14.1f}")
+    print(f"executor / ceiling = {res['executor_vs_ceiling']:.0%} (target >= 80%) · {res['ms_per_layer_step']:.2f} ms per layer-step")
+    if "c_sync_s" in res:
+        print(f"c_sync (submit + sync per layer, CUDA) = {res['c_sync_s'] * 1e6:.1f} us "
+              f"(layer {res['layer_with_handoff_s'] * 1e6:.1f} us with, {res['layer_gpu_only_s'] * 1e6:.1f} us without)")
+        print(f"c_sync graph mode (captured layer loop) = {res['c_sync_graph_s'] * 1e6:.1f} us "
+              f"(layer {res['graph_layer_with_handoff_s'] * 1e6:.1f} us with, {res['graph_layer_gpu_only_s'] * 1e6:.1f} us without)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    ex.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

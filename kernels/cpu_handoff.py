@@ -1,0 +1,124 @@
+"""Device side of the graph-mode CPU handoff (services/engine/moe/cpu_executor.py GraphHandoff): two tiny
+single-program kernels that talk to the CPU executor's poller through pinned host words (UVA), so a
+hybrid decode layer is all copies and kernels and can be captured in a CUDA graph.
+
+Dimension legend: T tokens · D hidden.
+
+- ``signal_cpu``: seq += 1 (device counter), then job word = seq << 20 | T << 10 | layer in host memory.
+  Launched after the stream copied hidden/ids/weights into the pinned inputs, so the inputs are in
+  host memory before the poller can see the word.
+- ``wait_cpu_add``: polls the host done word until it reaches seq, then out = part + cpu_out (cpu_out
+  [T, D] fp32 read from pinned memory with volatile loads: never a stale cached line of an earlier layer).
+  A bounded poll (``max_polls``) turns a lost CPU job into NaNs instead of a hung GPU.
+Both optionally stamp %globaltimer (ns) into pinned ``stamps [L, 3]``: signal, wait entry, wait exit —
+the GPU side's time (copy_missing + GEMM) and how long it waited for the CPU — and the wait mirrors the
+layer's cache counters to pinned memory: the split controller's thread reads all of it with plain
+loads, no CUDA call (a CUDA call from another thread would break a graph capture in progress).
+
+Triton is imported and the kernels defined on first use (TRITON_INTERPRET: see kernels/ensure_experts_hybrid.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+JOB_SEQ_SHIFT = 20  # job word = seq << 20 | T << 10 | layer
+_KERNELS = None
+
+
+class HostWord:
+    """A Triton pointer argument for pinned host memory: its host address is its device address (UVA)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor  # keep alive
+        self.dtype = tensor.dtype
+
+    def data_ptr(self) -> int:
+        return self.tensor.data_ptr()
+
+
+def host_arg(kernel, t: torch.Tensor):
+    """Pinned host tensor as a kernel argument: its UVA address on a GPU; the tensor itself under the
+    interpreter (which copies tensor arguments in and out around the launch)."""
+    return t if type(kernel).__name__ == "InterpretedFunction" else HostWord(t)
+
+
+def _kernels():
+    global _KERNELS, triton, tl, _now
+    if _KERNELS is not None:
+        return _KERNELS
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import globaltimer as _now
+
+    @triton.jit
+    def _signal_kernel(seq_ptr, job_ptr, stamps_ptr, code, layer, TIMER: tl.constexpr):
+        seq = tl.load(seq_ptr) + 1
+        tl.store(seq_ptr, seq)
+        if TIMER:
+            tl.store(stamps_ptr + layer * 3, _now())
+        tl.store(job_ptr, (seq << 20) | code)
+
+    @triton.jit
+    def _wait_add_kernel(seq_ptr, done_ptr, cpu_ptr, part_ptr, out_ptr, stamps_ptr, layer, n, max_polls,
+                         misses_ptr, fetched_ptr, counters_ptr,
+                         TIMER: tl.constexpr, COUNTERS: tl.constexpr, GPU: tl.constexpr, BLOCK: tl.constexpr):
+        target = tl.load(seq_ptr)
+        if COUNTERS:  # the layer's cumulative miss/fetch counters, mirrored to host memory
+            tl.store(counters_ptr + layer * 2, tl.load(misses_ptr + layer))
+            tl.store(counters_ptr + layer * 2 + 1, tl.load(fetched_ptr + layer))
+        if TIMER:
+            tl.store(stamps_ptr + layer * 3 + 1, _now())
+        done = tl.load(done_ptr, volatile=True)
+        polls = tl.full([], 0, tl.int32)  # a tensor from the start: loop-carried types must not change
+        while (done < target) & (polls < max_polls):
+            done = tl.load(done_ptr, volatile=True)
+            polls += 1
+        if GPU:  # volatile loads are relaxed: acquire before reading what the CPU wrote before `done`
+            tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+        if TIMER:
+            tl.store(stamps_ptr + layer * 3 + 2, _now())
+        ok = done >= target
+        for i0 in range(0, n, BLOCK):
+            idx = i0 + tl.arange(0, BLOCK)
+            m = idx < n
+            c = tl.load(cpu_ptr + idx, mask=m, other=0.0, volatile=True)
+            p = tl.load(part_ptr + idx, mask=m, other=0.0).to(tl.float32)
+            r = tl.where(ok, p + c, float("nan"))
+            tl.store(out_ptr + idx, r.to(out_ptr.dtype.element_ty), mask=m)
+
+    _KERNELS = (_signal_kernel, _wait_add_kernel)
+    return _KERNELS
+
+
+def signal_cpu(seq: torch.Tensor, job_word: torch.Tensor, layer: int, T: int, stamps: torch.Tensor | None = None) -> None:
+    """seq [1] int64 (device) += 1; job_word (pinned int64 [1] host tensor) = seq << 20 | T << 10 | layer;
+    stamps: pinned int64 [L, 3] (GPU only)."""
+    signal, _ = _kernels()
+    if not (0 <= layer < 1024 and 0 < T < 1024):
+        raise ValueError(f"cpu handoff: layer {layer} and T {T} must fit in 10 bits each")
+    timer = stamps is not None
+    signal[(1,)](seq, host_arg(signal, job_word), host_arg(signal, stamps) if timer else seq, (T << 10) | layer, layer,
+                 TIMER=timer)
+
+
+def wait_cpu_add(seq: torch.Tensor, done_word: torch.Tensor, cpu_out: torch.Tensor, part: torch.Tensor, layer: int,
+                 stamps: torch.Tensor | None = None, max_polls: int = 1 << 26,
+                 counters: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Wait (on the device) for the CPU job of the current seq (done_word: pinned int64 [1]), then return
+    part [T, D] + cpu_out [T, D] (pinned fp32)
+    (fp32 sum, in part's dtype); NaNs if the CPU never answered within ``max_polls`` polls.
+    stamps: pinned int64 [L, 3] (GPU only) · counters: (misses [L], fetched [L] on the device, pinned
+    int64 [L, 2]) to mirror the layer's cache counters to the host, read there with no CUDA call."""
+    _, wait_add = _kernels()
+    out = torch.empty_like(part)
+    n = part.numel()
+    timer = stamps is not None
+    misses, fetched, mirror = counters if counters is not None else (seq, seq, None)
+    wait_add[(1,)](seq, host_arg(wait_add, done_word), host_arg(wait_add, cpu_out), part.contiguous(), out,
+                   host_arg(wait_add, stamps) if timer else seq, layer, n, max_polls,
+                   misses, fetched, host_arg(wait_add, mirror) if mirror is not None else seq,
+                   TIMER=timer, COUNTERS=counters is not None, GPU=type(wait_add).__name__ != "InterpretedFunction",
+                   BLOCK=min(4096, triton.next_power_of_2(n)))
+    return out

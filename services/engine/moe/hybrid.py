@@ -1,0 +1,342 @@
+"""The `cpu` and `hybrid` backends (DESIGN.md §2): hits on the GPU slots, misses split between PCIe fetch
+and the CPU executor, which reads the host banks in place. `cpu` is hybrid with every miss on the CPU.
+
+Legend: T tokens · A experts per token · E experts per layer · S slots · D hidden · L MoE layers.
+
+Decode data path per MoE layer (each (token, expert) route computed exactly once):
+    ensure_experts_hybrid  -> slot_ids [T, A] (hit / fetched, else -1), cpu_ids [T, A] (CPU, else -1)
+    CPU submit             -> hidden, cpu_ids, weights to pinned buffers on the stream; workers start
+                              when the stream's flag lands (the host never waits on the GPU here)
+    copy_missing           -> the F fetched experts host -> slots, meanwhile
+    GPU expert GEMM        -> slot routes only (weights of CPU routes zeroed)
+    sync                   -> wait for the CPU, copy its partial up, add
+Steps with more than DECODE_MAX_ROUTES routes (prefill) take the offload path: every miss fetched.
+
+The split is the online controller's fraction (services/engine/moe/split.py): per step it gets the
+copy time of the fetched experts, the CPU compute time and c_sync, and moves f so both sides finish
+together; at f = 1 (CPU cannot help) layers run as plain offload, with no CPU submit at all.
+`--moe-hybrid-max-fetch N >= 0` fixes the split instead: fetch at most N misses per layer.
+
+Two handoffs on CUDA (TANDEM_HYBRID_GRAPHS): eager (DeviceHandoff: Python submits and waits per layer,
+so decode cannot be a CUDA graph) and graph mode (GraphHandoff: the stream writes a pinned job word, the
+executor's poller thread runs the job, a kernel waits for the done word; capturable, so the runner
+replays decode as a graph and a background thread corrects the split from the poller's and the
+kernels' timings). Eager steps ~20 launches x 48 layers x 18.6 us ~ 18 ms/token (DESIGN.md §6), which
+is why graph mode exists.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+import torch
+
+from services.common.logging import get_logger
+from services.common.settings import env
+from services.engine.config import MoEBackend
+from services.engine.moe.backends import BackendContext, register_backend
+from services.engine.moe.cpu_executor import CpuExecutor, DeviceHandoff, GraphHandoff, default_num_threads
+from services.engine.moe.offload import OffloadBackend
+from services.engine.moe.resident import GATHER_MAX_ROUTES, moe_decode, moe_grouped
+from services.engine.moe.split import DEFAULT_FRACTION, Q16, SplitController
+
+log = get_logger("moe.hybrid")
+
+DECODE_MAX_ROUTES = GATHER_MAX_ROUTES  # T*A at or below: split path; above (prefill): offload path
+
+
+def profile_prior(ctx: BackendContext) -> dict:
+    """Controller prior from this GPU's bandwidth profile (concurrent rates, c_sync), or {} without one."""
+    if ctx.device.type != "cuda":
+        return {}
+    try:
+        from services.common.profiles import find_profile, normalize_uuid
+
+        uuid = normalize_uuid(str(torch.cuda.get_device_properties(ctx.device).uuid))
+        found = find_profile(uuid)
+    except Exception as exc:  # noqa: BLE001 - a broken profile must not stop serving; say why
+        log.warning("hybrid: no usable bandwidth profile (%s: %s); starting from f=%.2f", type(exc).__name__, exc,
+                    DEFAULT_FRACTION)
+        return {}
+    if not found:
+        log.info("hybrid: no bandwidth profile for this GPU; starting from f=%.2f and measuring", DEFAULT_FRACTION)
+        return {}
+    profile, path = found
+    conc = profile.concurrent.get(str(ctx.dtype).removeprefix("torch."))
+    if conc is None:
+        return {"c_sync_s": profile.c_sync_s}
+    log.info("hybrid: prior from %s: concurrent pcie %.1f + cpu %.1f GB/s, c_sync %.1f us", path, conc.pcie_ov,
+             conc.cpu_ov, profile.c_sync_s * 1e6)
+    return {"prior_fraction": conc.pcie_ov / (conc.pcie_ov + conc.cpu_ov), "pcie_bps": conc.pcie_ov * 1e9,
+            "cpu_bps": conc.cpu_ov * 1e9, "c_sync_s": profile.c_sync_s}
+
+
+class HybridBackend:
+    """`hybrid` (mode HYBRID) and `cpu` (mode CPU: no fetch during decode)."""
+
+    def __init__(self, ctx: BackendContext, mode: MoEBackend = MoEBackend.HYBRID, num_slots: int | None = None,
+                 use_triton: bool | None = None, num_threads: int | None = None, count_routes: bool = False,
+                 graph_mode: bool | None = None):
+        """num_slots / use_triton: as OffloadBackend · num_threads: CPU workers (default one per physical
+        core, one core left to the thread driving the GPU) · count_routes: count GPU and CPU routes on
+        the host (a sync per layer; tests) · graph_mode: CUDA only, the capturable handoff (default from
+        TANDEM_HYBRID_GRAPHS); the split is then corrected by a background thread, as replays run no Python."""
+        if mode not in (MoEBackend.HYBRID, MoEBackend.CPU):
+            raise ValueError(f"hybrid backend: mode must be hybrid or cpu, got {mode}")
+        self.mode = mode
+        self.offload = OffloadBackend(ctx, num_slots, use_triton)  # cache sizing, slots, prefill path
+        self.cache = self.offload.cache
+        self.device = ctx.device
+        self.num_layers = len(ctx.banks.layers)
+        self.expert_bytes = ctx.banks.expert_nbytes()
+        if num_threads is None:
+            num_threads = default_num_threads(leave_driver_core=ctx.device.type == "cuda")
+        self.executor = CpuExecutor(ctx.banks, num_threads=num_threads)
+        if graph_mode is None:
+            graph_mode = env("TANDEM_HYBRID_GRAPHS") == "1"
+        self.graph_mode = bool(graph_mode) and ctx.device.type == "cuda"
+        self.cuda_graph_safe = self.graph_mode  # read by the runner: capture decode graphs or run eagerly
+        self.handoff = None
+        if ctx.device.type == "cuda":
+            D = ctx.banks.layers[0].tensors["down"].shape[1]
+            kind = GraphHandoff if self.graph_mode else DeviceHandoff
+            self.handoff = kind(self.executor, ctx.device, DECODE_MAX_ROUTES, D, ctx.top_k, ctx.dtype)
+        cap = ctx.config.moe_hybrid_max_fetch
+        if mode is MoEBackend.CPU:  # fixed: every miss on the CPU; rates still measured for stats
+            self.max_fetch = 0
+            self.controller = SplitController(self.expert_bytes, prior_fraction=0.0, gain=0.0, probe_every=0)
+        elif cap >= 0:  # fixed cap: fetch min(M, cap), the rest on the CPU
+            self.max_fetch = cap
+            self.controller = SplitController(self.expert_bytes, prior_fraction=1.0, gain=0.0, probe_every=0)
+        else:
+            self.max_fetch = -1
+            prior = profile_prior(ctx)
+            prior.setdefault("prior_fraction", getattr(ctx, "fetch_fraction", None))
+            self.controller = SplitController(self.expert_bytes, **prior)
+        # graph mode: the fraction lives in pinned host memory (the split kernel reads it through UVA), so
+        # the controller thread updates it with a plain store and never calls CUDA during a capture
+        self.f_q16 = (torch.tensor([self.controller.f_q16], dtype=torch.int32).pin_memory() if self.graph_mode
+                      else torch.tensor([self.controller.f_q16], dtype=torch.int32, device=ctx.device))
+        self._step_q16 = self.controller.f_q16
+        self.count_routes = count_routes
+        self.routes = {"gpu": 0, "cpu": 0}
+        self.totals = {"cpu_jobs": 0, "cpu_experts": 0, "cpu_routes": 0, "split_steps": 0}
+        self._step: dict | None = None
+        self._calibrate_c_sync()
+        self._stop = threading.Event()
+        if self.graph_mode:
+            self._control = threading.Thread(target=self._control_loop, name="tandem-split", daemon=True)
+            self._control.start()
+
+    # ---- the per-layer data path -------------------------------------------------------------------
+
+    def forward(self, moe_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        """hidden [T, D] · topk_ids [T, A] int64 · topk_weights [T, A] -> [T, D]."""
+        if self.graph_mode:  # a captured graph has one fixed structure: always the split path
+            return self._forward_graph(moe_layer, hidden, topk_ids, topk_weights)
+        if moe_layer == 0 or self._step is None:
+            self._begin_step()
+        split = topk_ids.numel() <= DECODE_MAX_ROUTES and not (self._step_q16 == Q16 and self.max_fetch < 0)
+        if not split:  # prefill, or the controller backed off to plain offload
+            if topk_ids.numel() <= DECODE_MAX_ROUTES:
+                self._step["offload_layers"] += 1  # a backed-off decode step still counts for probing
+            if self.count_routes:
+                self.routes["gpu"] += int((topk_ids >= 0).sum())
+            return self.offload.forward(moe_layer, hidden, topk_ids, topk_weights)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"--moe-backend {self.mode.value}: the CPU handoff cannot be captured in a CUDA "
+                               "graph; run decode eagerly with this backend")
+        step = self._step
+        slot_ids, cpu_ids = self._ensure(moe_layer, topk_ids)  # [T, A] each
+        if self.handoff is not None:
+            self.handoff.submit(moe_layer, hidden, cpu_ids, topk_weights)
+        else:
+            self.executor.submit(hidden, cpu_ids, topk_weights, moe_layer)
+        t0 = self._mark()
+        self.cache.copy_missing(max_jobs=topk_ids.numel())
+        step["fetch_marks"].append((t0, self._mark()))
+        gpu_w = torch.where(slot_ids >= 0, topk_weights, torch.zeros_like(topk_weights))  # CPU routes: weight 0
+        gate_up, down = self.cache.slot_banks["gate_up"], self.cache.slot_banks["down"]  # [S, 2I, D], [S, D, I]
+        if hidden.is_cuda:
+            part = moe_decode(hidden, slot_ids, gpu_w, gate_up, down)  # [T, D]
+            cpu_part = self.handoff.sync()  # [T, D] fp32 on the device
+        else:
+            part = moe_grouped(hidden, slot_ids, gpu_w, gate_up, down)
+            cpu_part = self.executor.wait()
+        ex = self.executor
+        step["cpu_s"] += ex.last_compute_seconds
+        step["cpu_experts"] += ex.last_experts
+        step["cpu_layers"] += 1 if ex.last_experts else 0
+        self.totals["cpu_jobs"] += 1
+        self.totals["cpu_experts"] += ex.last_experts
+        self.totals["cpu_routes"] += ex.last_routes
+        if self.count_routes:
+            self.routes["gpu"] += int((slot_ids >= 0).sum())
+            self.routes["cpu"] += ex.last_routes
+        return (part.float() + cpu_part).to(hidden.dtype)
+
+    def _forward_graph(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                       topk_weights: torch.Tensor) -> torch.Tensor:
+        """The capturable path: no host sync, no Python decision that depends on data or time."""
+        if topk_ids.numel() > DECODE_MAX_ROUTES:
+            return self.offload.forward(layer, hidden, topk_ids, topk_weights)
+        slot_ids, cpu_ids = self._ensure(layer, topk_ids)  # [T, A] each
+        self.handoff.submit(layer, hidden, cpu_ids, topk_weights)
+        self.cache.copy_missing(max_jobs=topk_ids.numel())
+        gpu_w = torch.where(slot_ids >= 0, topk_weights, torch.zeros_like(topk_weights))  # CPU routes: weight 0
+        gate_up, down = self.cache.slot_banks["gate_up"], self.cache.slot_banks["down"]
+        state = self.cache.state
+        out = self.handoff.sync_add(layer, moe_decode(hidden, slot_ids, gpu_w, gate_up, down),  # [T, D]
+                                    cache_counters=(state.misses, state.fetched))
+        if self.count_routes and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize(self.device)
+            self.routes["gpu"] += int((slot_ids >= 0).sum())
+            self.routes["cpu"] = self.handoff.poll_stats()["routes"] - self._routes_at_start
+        return out
+
+    def _control_loop(self, period_s: float = 0.1) -> None:
+        """Graph mode: every period, feed the controller the window's totals (CPU jobs from the poller,
+        miss/fetch counters and the GPU side's per-layer time from the kernels' %globaltimer stamps, both
+        mirrored to pinned memory) and store the new Q16 fraction in pinned memory for the next replay's
+        split kernels. Host memory only: a CUDA call here could break a graph capture in progress."""
+        prev_poll, prev_counts = self.handoff.poll_stats(), None
+        while not self._stop.wait(period_s):
+            try:
+                counts = self.handoff.counters.sum(dim=0).tolist()  # [2]: misses, fetched (cumulative)
+                stamps = self.handoff.stamps.tolist()  # [L, 3]: signal, wait entry, wait exit (ns)
+                poll = self.handoff.poll_stats()
+                if prev_counts is not None and poll["jobs"] > prev_poll["jobs"]:
+                    jobs = poll["jobs"] - prev_poll["jobs"]
+                    gpu_side = [enter - sig for sig, enter, _ in stamps if sig and enter > sig]
+                    fetch_s = jobs * statistics.fmean(gpu_side) * 1e-9 if gpu_side else 0.0
+                    self.controller.observe(layers=jobs, misses=counts[0] - prev_counts[0],
+                                            fetched=counts[1] - prev_counts[1], fetch_s=fetch_s,
+                                            cpu_experts=poll["experts"] - prev_poll["experts"],
+                                            cpu_s=poll["compute_s"] - prev_poll["compute_s"])
+                    self.totals["split_steps"] += 1
+                    if self.controller.f_q16 != self._step_q16:
+                        self._step_q16 = self.controller.f_q16
+                        self.f_q16[0] = self._step_q16
+                    if poll["error"]:
+                        log.error("cpu executor (graph mode): %s", poll["error"])
+                prev_poll, prev_counts = poll, counts
+            except Exception:  # noqa: BLE001 - the controller must never take serving down
+                log.exception("hybrid split controller (graph mode) failed; the fraction stays at %.3f",
+                              self.controller.fraction)
+
+    def close(self) -> None:
+        """Stop the controller thread and the CPU side (graph-mode poller, workers)."""
+        self._stop.set()
+        if self.graph_mode:
+            self._control.join()
+            self.handoff.close()
+        self.executor.close()
+
+    def _ensure(self, layer: int, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cache.use_triton:
+            from kernels.ensure_experts_hybrid import ensure_experts_hybrid as ensure
+        else:
+            from kernels.ensure_experts_hybrid import ensure_experts_hybrid_reference as ensure
+        return ensure(self.cache.state, layer, topk_ids, self.f_q16, self.max_fetch)
+
+    def _mark(self):
+        """A fetch-time mark: a CUDA event on the stream (read a step later, no sync) or a host clock."""
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    # ---- per-step measurement and the controller ---------------------------------------------------
+
+    def _counters(self) -> torch.Tensor:
+        s = self.cache.state
+        return torch.stack([s.misses.sum(), s.fetched.sum()])  # [2] int64 on the device
+
+    def _begin_step(self) -> None:
+        """Close the previous step (feed the controller) and open a new one."""
+        prev = self._step
+        if prev is not None and (prev["fetch_marks"] or prev["offload_layers"]):
+            self._finish(prev)
+        self._step_q16 = self.controller.f_q16
+        self.f_q16.fill_(self._step_q16)
+        self._step = {"fetch_marks": [], "offload_layers": 0, "cpu_s": 0.0, "cpu_experts": 0, "cpu_layers": 0,
+                      "counters": self._counters()}  # device snapshot, read when the step is closed
+
+    def _finish(self, step: dict) -> None:
+        marks = step["fetch_marks"]
+        if not marks:  # backed off: only misses are known (offload layers are not timed)
+            fetch_s = 0.0
+        elif self.device.type == "cuda":
+            marks[-1][1].synchronize()  # the step is long done by now (sampling synced); cheap
+            fetch_s = sum(a.elapsed_time(b) for a, b in marks) * 1e-3
+        else:
+            fetch_s = sum(b - a for a, b in marks)
+        misses, fetched = (self._counters() - step["counters"]).tolist()
+        self.controller.observe(layers=len(marks) + step["offload_layers"], misses=misses, fetched=fetched,
+                                fetch_s=fetch_s, cpu_experts=step["cpu_experts"], cpu_s=step["cpu_s"])
+        self.totals["split_steps"] += 1
+
+    def _calibrate_c_sync(self, reps: int = 20) -> None:
+        """The fixed per-layer cost of submit + sync: round trips of an empty CPU job (all ids -1)."""
+        D = self.executor.banks.layers[0].tensors["down"].shape[1]
+        dtype = self.executor.banks.layers[0].tensors["down"].dtype
+        hidden = torch.zeros(1, D, dtype=dtype, device=self.device)
+        ids = torch.full((1, 1), -1, dtype=torch.int64, device=self.device)
+        w = torch.zeros(1, 1, device=self.device)
+        times = []
+        for _ in range(reps):
+            if self.graph_mode:
+                torch.cuda.synchronize(self.device)
+                t0 = time.perf_counter()
+                self.handoff.submit(0, hidden, ids.expand(1, self.handoff.A).contiguous(),
+                                    w.expand(1, self.handoff.A).contiguous())
+                self.handoff.sync_add(0, hidden)
+                torch.cuda.synchronize(self.device)
+            elif self.handoff is not None:
+                torch.cuda.synchronize(self.device)
+                t0 = time.perf_counter()
+                self.handoff.submit(0, hidden, ids.expand(1, self.handoff.A).contiguous(),
+                                    w.expand(1, self.handoff.A).contiguous())
+                self.handoff.sync()
+                torch.cuda.synchronize(self.device)
+            else:
+                t0 = time.perf_counter()
+                self.executor.forward(0, hidden, ids, w)
+            times.append(time.perf_counter() - t0)
+        self.c_sync_calibrated = statistics.median(times)
+        self.controller.c_sync_s = self.c_sync_calibrated
+        self._routes_at_start = self.handoff.poll_stats()["routes"] if self.graph_mode else 0
+
+    def stats(self) -> dict:
+        cache = self.cache.stats()
+        cache["cpu_computed"] = cache["misses"] - cache["fetched"]
+        split = self.controller.stats()
+        if self.graph_mode:  # the poller counts the jobs; Python never sees them
+            poll = self.handoff.poll_stats()
+            self.totals.update(cpu_jobs=poll["jobs"], cpu_experts=poll["experts"], cpu_routes=poll["routes"])
+        return {
+            "backend": self.mode.value,
+            "cache": cache,
+            "split": {**split, "max_fetch": self.max_fetch, "f_q16": self._step_q16, "graph_mode": self.graph_mode,
+                      "c_sync_calibrated_seconds": self.c_sync_calibrated, "steps": self.totals["split_steps"]},
+            "cpu_executor": {"isa": self.executor.isa, "threads": self.executor.num_threads,
+                             "jobs": self.totals["cpu_jobs"], "experts_computed": self.totals["cpu_experts"],
+                             "routes_computed": self.totals["cpu_routes"]},
+            "fetch_fraction": split["fetch_fraction"],
+            "bandwidth_bytes_per_second": {"pcie": split["pcie_bytes_per_second"], "cpu": split["cpu_bytes_per_second"]},
+            "c_sync_seconds": split["c_sync_seconds"],
+        }
+
+
+@register_backend(MoEBackend.HYBRID)
+def _make_hybrid(ctx: BackendContext) -> HybridBackend:
+    return HybridBackend(ctx, MoEBackend.HYBRID)
+
+
+@register_backend(MoEBackend.CPU)
+def _make_cpu(ctx: BackendContext) -> HybridBackend:
+    return HybridBackend(ctx, MoEBackend.CPU)

@@ -1,0 +1,167 @@
+"""The fetch/CPU split of a hybrid step (DESIGN.md §1) and the controller that corrects it online.
+
+Per layer and step, M experts miss the GPU cache, each B bytes. F are fetched over PCIe, M-F are
+computed by the CPU executor in place, both at once:
+
+    t_fetch = F·B / pcie_ov          t_cpu = (M-F)·B / cpu_ov + c_sync   (c_sync only if M-F > 0)
+
+The step takes max(t_fetch, t_cpu). The offline profile gives a prior (its concurrent bandwidths and
+c_sync); the controller then measures per-step fetch and CPU times while serving and moves the fetch
+fraction f to equalise the two sides *including c_sync* — the reference design's fixed offline ratio
+ignored c_sync and picked hybrid where it was 8x slower than offload. When the CPU side cannot win
+(slow CPU, large c_sync, few misses), f goes to 1: plain offload, no CPU submit at all.
+
+Torch-free: the engine feeds it numbers; tests feed it a simulated timing model.
+Units: bytes, seconds, bytes/second.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from services.common.profiles import hybrid_layer_time
+
+Q16 = 1 << 16  # f in Q16 fixed point: the on-device split reads f_q16 = round(f * 65536)
+DEFAULT_FRACTION = 0.5  # prior without a profile: half of the misses fetched, refined after one step
+
+
+def fraction_to_q16(f: float) -> int:
+    """f in [0, 1] -> Q16 integer in [0, 65536]."""
+    return max(0, min(Q16, round(f * Q16)))
+
+
+def fetch_count_q16(misses: int, f_q16: int, max_fetch: int = -1) -> int:
+    """How many of ``misses`` to fetch: lo = floor(M·f) or lo+1, whichever has the smaller
+    max(F·(1-f), (M-F)·f), in Q16 integer arithmetic exactly as the device kernel does it; then capped
+    by ``max_fetch`` (-1 = no cap, 0 = every miss on the CPU)."""
+    lo = (misses * f_q16) >> 16
+    cost_lo = max(lo * (Q16 - f_q16), (misses - lo) * f_q16)
+    cost_hi = max((lo + 1) * (Q16 - f_q16), (misses - lo - 1) * f_q16)
+    F = min(misses, lo if cost_lo <= cost_hi else lo + 1)
+    return F if max_fetch < 0 else min(F, max_fetch)
+
+
+@dataclass
+class CostModel:
+    """The per-layer time model. Bandwidths are the *concurrent* ones (both paths compete for DRAM)."""
+
+    expert_bytes: int  # B
+    pcie_bps: float  # pcie_ov
+    cpu_bps: float  # cpu_ov
+    c_sync_s: float = 0.0  # fixed CPU submit + sync cost of a layer with CPU work
+
+    def t_fetch(self, F: float) -> float:
+        return F * self.expert_bytes / self.pcie_bps
+
+    def t_cpu(self, M: float, F: float) -> float:
+        return (M - F) * self.expert_bytes / self.cpu_bps + (self.c_sync_s if M - F > 0 else 0.0)
+
+    def layer_time(self, M: float, f: float) -> float:
+        """Seconds of one layer's misses at fraction f (integer F as on the device), M may be fractional:
+        interpolated between the neighbouring integer miss counts."""
+        if f >= 1.0:
+            return self.t_fetch(M)
+
+        def at(m: int) -> float:
+            return hybrid_layer_time(m, self.expert_bytes, f, self.pcie_bps / 1e9, self.cpu_bps / 1e9, self.c_sync_s)
+
+        lo = math.floor(M)
+        w = M - lo
+        return at(lo) if w == 0 else (1 - w) * at(lo) + w * at(lo + 1)
+
+    def balanced_fraction(self, M: float) -> float:
+        """f equalising t_fetch and t_cpu for M misses per layer, c_sync included:
+        F·B/p = (M-F)·B/c + s  =>  F = (M·B/c + s) / (B/p + B/c). Returns 1.0 (offload) when that split
+        is not faster than fetching everything."""
+        if M <= 0:
+            return 1.0
+        B = self.expert_bytes
+        F = (M * B / self.cpu_bps + self.c_sync_s) / (B / self.pcie_bps + B / self.cpu_bps)
+        f = min(1.0, max(0.0, F / M))
+        if f >= 1.0 or self.layer_time(M, f) >= self.t_fetch(M) * (1 - 1e-9):  # ties (fp noise): offload
+            return 1.0
+        return f
+
+
+class SplitController:
+    """Online fetch fraction: EWMA of the measured concurrent rates and misses per layer, then f moves
+    toward the cost model's balanced fraction.
+
+    observe() once per decode step with that step's totals over all layers; ``fraction`` / ``f_q16``
+    is what the next step uses. While backed off to f=1 the CPU gets no work and so no measurement:
+    every ``probe_every`` steps one step runs with one miss per layer on the CPU to re-measure it.
+    """
+
+    def __init__(self, expert_bytes: int, prior_fraction: float | None = None, pcie_bps: float | None = None,
+                 cpu_bps: float | None = None, c_sync_s: float = 0.0, smoothing: float = 0.3,
+                 gain: float = 0.5, probe_every: int = 256):
+        """prior_fraction: the starting f (profile decision or DEFAULT_FRACTION) · pcie_bps / cpu_bps:
+        prior concurrent rates (profile; None = unknown until measured) · c_sync_s: per-layer submit +
+        sync cost · smoothing: EWMA weight of a new measurement · gain: share of the way f moves to the
+        model's target per step."""
+        if expert_bytes <= 0:
+            raise ValueError(f"split controller: expert_bytes must be positive, got {expert_bytes}")
+        self.expert_bytes = expert_bytes
+        self.fraction = DEFAULT_FRACTION if prior_fraction is None else min(1.0, max(0.0, prior_fraction))
+        self.pcie_bps, self.cpu_bps, self.c_sync_s = pcie_bps, cpu_bps, c_sync_s
+        self.smoothing, self.gain, self.probe_every = smoothing, gain, probe_every
+        self.misses_per_layer: float | None = None
+        self.target: float | None = None
+        self.steps = 0
+        self._steps_without_cpu = 0
+
+    @property
+    def f_q16(self) -> int:
+        """The fraction the device kernel reads this step (a probe step puts one miss on the CPU)."""
+        if self.fraction >= 1.0 and self.probe_every and self._steps_without_cpu >= self.probe_every and self.misses_per_layer:
+            m = max(1.0, self.misses_per_layer)
+            return fraction_to_q16(max(0.0, 1.0 - 1.0 / (m + 1)))
+        return fraction_to_q16(self.fraction)
+
+    def _ewma(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+
+    def observe_c_sync(self, seconds: float) -> None:
+        """A measured per-layer submit + sync cost (calibration or online)."""
+        self.c_sync_s = self._ewma(self.c_sync_s or None, max(0.0, seconds))
+
+    def observe(self, *, layers: int, misses: int, fetched: int, fetch_s: float, cpu_experts: int,
+                cpu_s: float, cpu_layers: int = 0, sync_s: float = 0.0) -> None:
+        """One decode step, summed over its ``layers`` MoE layers: ``misses`` (M, all cache misses),
+        ``fetched`` experts copied in ``fetch_s`` seconds of copy time, ``cpu_experts`` experts read by
+        the CPU executor in ``cpu_s`` seconds of compute (inputs ready -> output written; c_sync apart),
+        and optionally ``sync_s`` seconds of submit + sync overhead over ``cpu_layers`` handed-off layers."""
+        self.steps += 1
+        if cpu_layers > 0 and sync_s > 0:
+            self.observe_c_sync(sync_s / cpu_layers)
+        B = self.expert_bytes
+        if fetched > 0 and fetch_s > 0:
+            self.pcie_bps = self._ewma(self.pcie_bps, fetched * B / fetch_s)
+        if cpu_experts > 0 and cpu_s > 0:
+            self.cpu_bps = self._ewma(self.cpu_bps, cpu_experts * B / cpu_s)
+            self._steps_without_cpu = 0
+        else:
+            self._steps_without_cpu += 1
+        if layers > 0:
+            self.misses_per_layer = self._ewma(self.misses_per_layer, misses / layers)
+        if self.pcie_bps and self.cpu_bps and self.misses_per_layer:
+            model = CostModel(B, self.pcie_bps, self.cpu_bps, self.c_sync_s)
+            self.target = model.balanced_fraction(self.misses_per_layer)
+            self.fraction += self.gain * (self.target - self.fraction)
+            if self.target >= 1.0 and self.fraction > 0.999:
+                self.fraction = 1.0  # settle exactly: f_q16 = 65536 lets the backend skip the CPU submit
+            elif abs(self.fraction - self.target) < 1e-4:
+                self.fraction = self.target
+
+    def stats(self) -> dict:
+        """JSON-able state for the engine's stats."""
+        return {
+            "fetch_fraction": self.fraction,
+            "fetch_fraction_target": self.target,
+            "pcie_bytes_per_second": self.pcie_bps,
+            "cpu_bytes_per_second": self.cpu_bps,
+            "c_sync_seconds": self.c_sync_s,
+            "misses_per_layer": self.misses_per_layer,
+            "steps_observed": self.steps,
+        }

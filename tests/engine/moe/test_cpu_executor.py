@@ -1,0 +1,231 @@
+"""CPU MoE executor (C++ extension) against the pure-torch moe_reference.
+
+Shapes: T=1 (decode), odd sizes (D=33, I=17: vector tails), a batch with repeated experts, and every ISA
+this CPU supports (the dispatcher's pick plus each forced kernel). The extension is built from source
+on first use (cached); a build failure fails these tests with the compiler's reason.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # the graph handoff's kernels run interpreted here (tests/kernels/conftest.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from services.engine.moe.banks import ExpertBanks, ExpertFormat  # noqa: E402
+from services.engine.moe.cpu_executor import (CpuExecutor, DeviceHandoff, GraphHandoff, build_extension,  # noqa: E402
+                                              physical_cpus)
+from services.engine.moe.reference import moe_reference  # noqa: E402
+from tests.helpers import tolerance  # noqa: E402
+
+SHAPES = [  # T, A, E, D, I
+    (1, 1, 1, 16, 8),
+    (1, 8, 32, 64, 48),
+    (3, 2, 5, 33, 17),
+    (17, 4, 9, 96, 40),
+    (64, 8, 16, 128, 64),
+]
+ISAS = [isa for isa in ("avx512bf16", "avx512", "avx2", "scalar") if build_extension().select_isa(isa)]
+
+
+def make_case(T, A, E, D, I, dtype, seed=0, drop=0.25):
+    """Random banks (1 layer), hidden, distinct top-A ids per token with ~`drop` of them set to -1."""
+    g = torch.Generator().manual_seed(seed)
+    banks = ExpertBanks.allocate(ExpertFormat.UNQUANTIZED, 1, E, D, I, dtype)
+    for t in banks.layers[0].tensors.values():
+        t.copy_(torch.randn(t.shape, generator=g) / t.shape[-1] ** 0.5)
+    hidden = torch.randn(T, D, generator=g).to(dtype)  # [T, D]
+    ids = torch.stack([torch.randperm(E, generator=g)[:A] for _ in range(T)])  # [T, A]
+    ids[torch.rand(T, A, generator=g) < drop] = -1
+    weights = torch.rand(T, A, generator=g)  # [T, A]
+    return banks, hidden, ids, weights
+
+
+def reference(banks, hidden, ids, weights):
+    """moe_reference in fp32 on the exact (bf16-representable) values: the math the executor must
+    reproduce; the native-bf16 reference rounds every intermediate and is the noisier of the two."""
+    L = banks.layers[0].tensors
+    return moe_reference(hidden.float(), ids, weights, L["gate_up"].float(), L["down"].float())
+
+
+@pytest.fixture(scope="module")
+def executors():
+    cache: dict = {}
+
+    def get(banks, isa="", threads=3):
+        ex = cache.get((isa, threads))
+        if ex is None:
+            ex = cache[(isa, threads)] = CpuExecutor(banks, num_threads=threads, spin_us=50, isa=isa)
+        ex.banks = banks
+        return ex
+    yield get
+    for ex in cache.values():
+        ex.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}A{}E{}D{}I{}".format(*s))
+def test_matches_reference(executors, shape, dtype):
+    banks, hidden, ids, weights = make_case(*shape, dtype)
+    ex = executors(banks)
+    out = ex.forward(0, hidden, ids, weights)
+    assert out.dtype == torch.float32 and out.shape == hidden.shape
+    ref = reference(banks, hidden, ids, weights)
+    torch.testing.assert_close(out, ref, atol=tolerance(dtype), rtol=tolerance(dtype))
+    # every valid route computed exactly once, every distinct expert read once
+    assert ex.last_routes == int((ids >= 0).sum())
+    assert ex.last_experts == len(set(ids[ids >= 0].tolist()))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_isa(executors, isa, dtype):
+    banks, hidden, ids, weights = make_case(5, 3, 7, 33, 17, dtype, seed=1)
+    ex = executors(banks, isa=isa)
+    assert ex.isa == isa
+    torch.testing.assert_close(ex.forward(0, hidden, ids, weights), reference(banks, hidden, ids, weights),
+                               atol=tolerance(dtype), rtol=tolerance(dtype))
+
+
+def test_fp32_is_tight(executors):
+    """fp32 banks: no bf16 rounding anywhere, so the match is to fp32 accumulation-order noise."""
+    banks, hidden, ids, weights = make_case(4, 4, 8, 256, 96, torch.float32, seed=2)
+    out = executors(banks).forward(0, hidden, ids, weights)
+    torch.testing.assert_close(out, reference(banks, hidden, ids, weights), atol=1e-5, rtol=1e-5)
+
+
+def test_many_threads_and_reuse(executors):
+    """More workers than cores and than rows in some phases; the same pool reused for many jobs."""
+    for seed in range(6):
+        banks, hidden, ids, weights = make_case(2 + seed, 4, 6, 40, 24, torch.float32, seed=seed)
+        out = executors(banks, threads=7).forward(0, hidden, ids, weights)
+        torch.testing.assert_close(out, reference(banks, hidden, ids, weights), atol=1e-4, rtol=1e-4)
+
+
+def test_skipped_routes_give_zeros(executors):
+    banks, hidden, ids, weights = make_case(3, 2, 4, 32, 16, torch.float32)
+    ids[:] = -1
+    out = executors(banks).forward(0, hidden, ids, weights)
+    assert torch.equal(out, torch.zeros_like(out)) and executors(banks).last_routes == 0
+
+
+def test_async_api_contract(executors):
+    banks, hidden, ids, weights = make_case(2, 2, 4, 32, 16, torch.float32)
+    ex = executors(banks)
+    ex.submit(hidden, ids, weights)
+    with pytest.raises(RuntimeError, match="in flight"):
+        ex.submit(hidden, ids, weights)
+    out = ex.wait()
+    torch.testing.assert_close(out, reference(banks, hidden, ids, weights), atol=1e-4, rtol=1e-4)
+    with pytest.raises(RuntimeError, match="without a submitted job"):
+        ex.wait()
+
+
+def test_ready_flag_gates_the_job(executors):
+    """Workers must not start before the ready flag reaches the job's value (the GPU stream's signal)."""
+    banks, hidden, ids, weights = make_case(2, 2, 4, 32, 16, torch.float32)
+    ex = executors(banks)
+    flag = torch.zeros(1, dtype=torch.int64)
+    hidden_buf = torch.zeros_like(hidden)  # filled only after submit: a job that started early reads zeros
+    ex.submit(hidden_buf, ids, weights, ready=flag, ready_value=7)
+    hidden_buf.copy_(hidden)
+    flag[0] = 7
+    torch.testing.assert_close(ex.wait(), reference(banks, hidden, ids, weights), atol=1e-4, rtol=1e-4)
+
+
+def test_bad_expert_id_names_the_problem(executors):
+    banks, hidden, ids, weights = make_case(2, 2, 4, 32, 16, torch.float32)
+    ids[1, 1] = 99
+    ex = executors(banks)
+    with pytest.raises(RuntimeError, match="expert id 99 out of range"):
+        ex.forward(0, hidden, ids, weights)
+    ids[1, 1] = 0  # the pool keeps working after an error
+    ex.forward(0, hidden, ids, weights)
+
+
+def test_physical_cpus_are_allowed_and_distinct():
+    import os
+    cpus = physical_cpus()
+    assert cpus and len(set(cpus)) == len(cpus) and set(cpus) <= os.sched_getaffinity(0)
+
+
+@pytest.mark.gpu
+def test_device_handoff_matches_reference(executors):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    banks, hidden, ids, weights = make_case(6, 4, 8, 64, 32, torch.bfloat16)
+    for t in banks.layers[0].tensors.values():
+        t.data = t.pin_memory()
+    dev = torch.device("cuda")
+    hand = DeviceHandoff(executors(banks), dev, 2, 64, 4, torch.bfloat16)  # grows to T=6
+    for _ in range(3):
+        hand.submit(0, hidden.to(dev), ids.to(dev), weights.to(dev))
+        out = hand.sync()
+    torch.testing.assert_close(out.cpu(), reference(banks, hidden, ids, weights), atol=2e-2, rtol=2e-2)
+
+
+def test_graph_handoff_protocol(executors):
+    """Job word -> poller -> done word -> add, on the CPU (the kernels interpreted, the stream's order
+    played by the test: the interpreter copies arguments, so the wait kernel runs once the CPU is done)."""
+    L, E, D, I, A = 3, 6, 40, 24, 2
+    g = torch.Generator().manual_seed(3)
+    banks = ExpertBanks.allocate(ExpertFormat.UNQUANTIZED, L, E, D, I, torch.float32)
+    for lb in banks.layers:
+        for t in lb.tensors.values():
+            t.copy_(torch.randn(t.shape, generator=g) / t.shape[-1] ** 0.5)
+    ex = CpuExecutor(banks, num_threads=2, spin_us=50)
+    hand = GraphHandoff(ex, torch.device("cpu"), 4, D, A, torch.float32)
+    try:
+        for step in range(4):
+            layer, T = step % L, 1 + step % 4
+            hidden = torch.randn(T, D, generator=g)
+            ids = torch.randint(-1, E, (T, A), generator=g)
+            w = torch.rand(T, A, generator=g)
+            part = torch.randn(T, D, generator=g)
+            hand.submit(layer, hidden, ids, w)
+            while int(hand.done_h[0]) < step + 1:  # the GPU's wait kernel, played by the host
+                pass
+            misses, fetched = torch.arange(L) * 10 + step, torch.arange(L) + step  # a cache's counters [L]
+            out = hand.sync_add(layer, part, (misses, fetched))
+            L_ = banks.layers[layer].tensors
+            want = part + moe_reference(hidden, ids, w, L_["gate_up"], L_["down"])
+            torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+            assert hand.counters[layer].tolist() == [int(misses[layer]), int(fetched[layer])]  # mirrored
+        stats = hand.poll_stats()
+        assert stats["jobs"] == 4 and stats["error"] == "" and stats["last_seq"] == 4
+        with pytest.raises(RuntimeError, match="polling"):
+            ex.submit(hidden, ids, w)
+    finally:
+        hand.close()
+    ex.forward(0, hidden, ids, w)  # direct jobs work again once polling stopped
+    ex.close()
+
+
+def test_graph_handoff_times_out_into_nans():
+    """A CPU job that never answers must not hang the device: the wait kernel gives up and writes NaNs."""
+    from kernels.cpu_handoff import wait_cpu_add
+
+    seq = torch.ones(1, dtype=torch.int64)
+    done = torch.zeros(1, dtype=torch.int64)
+    out = wait_cpu_add(seq, done, torch.zeros(2, 8), torch.ones(2, 8), 0, max_polls=5)
+    assert out.isnan().all()
+
+
+def test_build_failure_names_the_cause(tmp_path, monkeypatch):
+    """No silent fallback: a source that does not compile raises with the sources, the build dir and the
+    compiler's message."""
+    import services.engine.moe.cpu_executor as mod
+
+    bad = tmp_path / "broken.cpp"
+    bad.write_text("this is not C++;\n")
+    monkeypatch.setattr(mod, "_EXTENSION", None)
+    monkeypatch.setattr(mod, "_CSRC", tmp_path)
+    monkeypatch.setattr(mod, "_SOURCES", ("broken.cpp",))
+    monkeypatch.setattr(mod, "extension_dir", lambda: tmp_path / "build")
+    with pytest.raises(RuntimeError, match=r"building the C\+\+ extension from .*broken\.cpp in .*build failed") as err:
+        mod.build_extension()
+    assert "broken.cpp" in str(err.value) and "Error" in str(err.value)

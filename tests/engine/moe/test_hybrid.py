@@ -1,0 +1,209 @@
+"""The `cpu` and `hybrid` backends: same greedy tokens as `resident` for every architecture, each route
+computed exactly once (counted independently of the backend), no fetch during decode under `cpu`, the
+fixed cap and the online controller of `hybrid`, and the registry wiring."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before any Triton kernel is defined (see tests/kernels/conftest.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from services.engine.config import EngineConfig, MoEBackend  # noqa: E402
+from services.engine.models.registry import build_backend, load_model, pin_banks  # noqa: E402
+from services.engine.moe.backends import BackendContext  # noqa: E402
+from services.engine.moe.hybrid import HybridBackend  # noqa: E402
+from tests.helpers import greedy_generate  # noqa: E402
+
+ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+PROMPT = [(7 * i + 3) % 120 + 4 for i in range(40)]  # 40 tokens: prefill above the split path (offload)
+SHORT = [5, 17, 33, 2, 90]  # 5 tokens: even the prefill takes the split path (T > 1 on the CPU)
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def loaded(hf_checkpoints):
+    return {name: load_model(EngineConfig(model=str(c.dir)), attach_backend=False) for name, c in hf_checkpoints.items()}
+
+
+@pytest.fixture(scope="module")
+def resident_tokens(hf_checkpoints, loaded):
+    out = {}
+    for name, lm in loaded.items():
+        lm.model.set_backend(build_backend(lm, EngineConfig(model=str(hf_checkpoints[name].dir))))
+        out[name] = {"long": greedy_generate(lm, PROMPT, NEW_TOKENS), "short": greedy_generate(lm, SHORT, NEW_TOKENS)}
+    return out
+
+
+class RouteCounter:
+    """Pass-through wrapper: counts valid routes itself and checks that `cpu` decode fetches nothing."""
+
+    def __init__(self, inner: HybridBackend):
+        self.inner, self.routes, self.decode_fetches = inner, 0, 0
+
+    def forward(self, layer, hidden, topk_ids, topk_weights):
+        self.routes += int((topk_ids >= 0).sum())
+        before = int(self.inner.cache.state.fetched.sum())
+        out = self.inner.forward(layer, hidden, topk_ids, topk_weights)
+        if hidden.shape[0] == 1:
+            self.decode_fetches += int(self.inner.cache.state.fetched.sum()) - before
+        return out
+
+    def stats(self):
+        return self.inner.stats()
+
+
+def run(lm, hf_dir, mode, slots, prompt=PROMPT, max_fetch=-1, use_triton=None):
+    cfg = EngineConfig(model=str(hf_dir), moe_backend=mode.value, moe_hybrid_max_fetch=max_fetch)
+    ctx = BackendContext(lm.banks, cfg, lm.device, lm.dtype, lm.spec.top_k, 0)
+    backend = HybridBackend(ctx, mode, num_slots=slots, use_triton=use_triton, count_routes=True)
+    counter = RouteCounter(backend)
+    lm.model.set_backend(counter)
+    return greedy_generate(lm, prompt, NEW_TOKENS), backend, counter
+
+
+@pytest.mark.parametrize("mode", [MoEBackend.CPU, MoEBackend.HYBRID])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_equals_resident(arch, mode, hf_checkpoints, loaded, resident_tokens):
+    lm = loaded[arch]
+    tokens, backend, counter = run(lm, hf_checkpoints[arch].dir, mode, slots=lm.spec.top_k)
+    assert tokens == resident_tokens[arch]["long"]
+    # every route computed exactly once: GPU routes + CPU routes (counted by the C++ executor) = all routes
+    assert backend.routes["gpu"] + backend.routes["cpu"] == counter.routes
+    s = backend.stats()
+    assert s["cpu_executor"]["routes_computed"] == backend.routes["cpu"] > 0
+    assert s["cache"]["cpu_computed"] == s["cache"]["misses"] - s["cache"]["fetched"] > 0
+    if mode is MoEBackend.CPU:
+        assert counter.decode_fetches == 0
+    else:
+        assert s["split"]["steps"] >= NEW_TOKENS - 2 and s["split"]["cpu_bytes_per_second"] > 0
+
+
+@pytest.mark.parametrize("mode", [MoEBackend.CPU, MoEBackend.HYBRID])
+def test_short_prompt_splits_the_prefill_too(mode, hf_checkpoints, loaded, resident_tokens):
+    lm = loaded["qwen2_moe"]
+    tokens, backend, counter = run(lm, hf_checkpoints["qwen2_moe"].dir, mode, slots=lm.spec.num_experts, prompt=SHORT)
+    assert tokens == resident_tokens["qwen2_moe"]["short"]
+    assert backend.routes["gpu"] + backend.routes["cpu"] == counter.routes and backend.routes["cpu"] > 0
+
+
+@pytest.mark.parametrize("max_fetch", [0, 1])
+def test_fixed_cap(max_fetch, hf_checkpoints, loaded, resident_tokens):
+    lm = loaded["qwen3_moe"]
+    tokens, backend, counter = run(lm, hf_checkpoints["qwen3_moe"].dir, MoEBackend.HYBRID, slots=lm.spec.top_k,
+                                   max_fetch=max_fetch)
+    assert tokens == resident_tokens["qwen3_moe"]["long"]
+    assert backend.routes["gpu"] + backend.routes["cpu"] == counter.routes
+    if max_fetch == 0:
+        assert counter.decode_fetches == 0
+    else:  # at most one fetch per layer and decode step
+        assert counter.decode_fetches <= (NEW_TOKENS - 1) * len(lm.banks.layers)
+
+
+def test_backed_off_runs_plain_offload(hf_checkpoints, loaded, resident_tokens):
+    """Controller at f = 1 (the CPU cannot help): no CPU submit at all, and still the same tokens."""
+    lm = loaded["qwen3_moe"]
+    cfg = EngineConfig(model=str(hf_checkpoints["qwen3_moe"].dir), moe_backend="hybrid")
+    backend = HybridBackend(BackendContext(lm.banks, cfg, lm.device, lm.dtype, lm.spec.top_k, 0), MoEBackend.HYBRID,
+                            num_slots=lm.spec.top_k, count_routes=True)
+    backend.controller.fraction, backend.controller.gain, backend.controller.probe_every = 1.0, 0.0, 0
+    counter = RouteCounter(backend)
+    lm.model.set_backend(counter)
+    assert greedy_generate(lm, PROMPT, NEW_TOKENS) == resident_tokens["qwen3_moe"]["long"]
+    assert backend.stats()["cpu_executor"]["jobs"] == 0 and backend.routes["cpu"] == 0
+    assert backend.routes["gpu"] == counter.routes
+    assert backend.controller.steps >= NEW_TOKENS - 2  # backed-off steps are still observed (for probing)
+
+
+def test_triton_kernels_under_the_interpreter(hf_checkpoints, loaded, resident_tokens):
+    lm = loaded["mixtral"]
+    tokens, backend, counter = run(lm, hf_checkpoints["mixtral"].dir, MoEBackend.HYBRID, slots=lm.spec.top_k,
+                                   use_triton=True)
+    assert tokens == resident_tokens["mixtral"]["long"]
+    assert backend.routes["gpu"] + backend.routes["cpu"] == counter.routes
+
+
+def test_registered_and_built_by_config(hf_checkpoints, loaded):
+    lm = loaded["olmoe"]
+    for mode in (MoEBackend.CPU, MoEBackend.HYBRID):
+        backend = build_backend(lm, EngineConfig(model=str(hf_checkpoints["olmoe"].dir), moe_backend=mode.value,
+                                                 moe_cache_size=lm.spec.top_k))
+        assert isinstance(backend, HybridBackend) and backend.mode is mode
+        s = backend.stats()
+        assert s["backend"] == mode.value and s["c_sync_seconds"] > 0 and s["cpu_executor"]["isa"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph_mode", [False, True], ids=["eager-handoff", "graph-handoff"])
+@pytest.mark.parametrize("mode", [MoEBackend.CPU, MoEBackend.HYBRID])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_cuda_greedy_equals_resident(arch, mode, graph_mode, hf_checkpoints):
+    """The real data path: Triton ensure kernels, pinned handoff (stream-written flags), overlap."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    d = str(hf_checkpoints[arch].dir)
+    lm = load_model(EngineConfig(model=d, device="cuda"), attach_backend=False)
+    lm.model.set_backend(build_backend(lm, EngineConfig(model=d, device="cuda")))
+    want = greedy_generate(lm, PROMPT, NEW_TOKENS)
+    pin_banks(lm.banks)
+    cfg = EngineConfig(model=d, device="cuda", moe_backend=mode.value)
+    backend = HybridBackend(BackendContext(lm.banks, cfg, lm.device, lm.dtype, lm.spec.top_k, 0), mode,
+                            num_slots=lm.spec.top_k, count_routes=True, graph_mode=graph_mode)
+    counter = RouteCounter(backend)
+    lm.model.set_backend(counter)
+    try:
+        assert greedy_generate(lm, PROMPT, NEW_TOKENS) == want
+        assert backend.routes["gpu"] + backend.routes["cpu"] == counter.routes and backend.routes["cpu"] > 0
+        if mode is MoEBackend.CPU:
+            assert counter.decode_fetches == 0
+        assert backend.stats()["split"]["graph_mode"] is graph_mode
+    finally:
+        backend.close()
+
+
+@pytest.mark.gpu
+def test_graph_mode_layer_captures_and_replays(hf_checkpoints):
+    """One hybrid layer captured in a CUDA graph, replayed on new inputs: equals the reference every time
+    (the poller serves replays no Python sees; the split kernels read the fraction from the device)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from services.engine.moe.reference import moe_reference
+
+    d = str(hf_checkpoints["qwen3_moe"].dir)
+    lm = load_model(EngineConfig(model=d, device="cuda"), attach_backend=False)
+    pin_banks(lm.banks)
+    cfg = EngineConfig(model=d, device="cuda", moe_backend="hybrid")
+    backend = HybridBackend(BackendContext(lm.banks, cfg, lm.device, lm.dtype, lm.spec.top_k, 0), MoEBackend.HYBRID,
+                            num_slots=lm.spec.top_k, graph_mode=True)
+    E, A, D = lm.spec.num_experts, lm.spec.top_k, lm.spec.hidden_size
+    dev = torch.device("cuda")
+    h, ids, w = torch.zeros(2, D, device=dev), torch.zeros(2, A, dtype=torch.int64, device=dev), torch.zeros(2, A, device=dev)
+    g = torch.Generator().manual_seed(0)
+
+    def fill():
+        h.copy_(torch.randn(2, D, generator=g))
+        ids.copy_(torch.stack([torch.randperm(E, generator=g)[:A] for _ in range(2)]))
+        w.copy_(torch.rand(2, A, generator=g))
+
+    try:
+        fill()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: Triton compiles outside the capture
+            backend.forward(0, h, ids, w)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = backend.forward(0, h, ids, w)
+        banks = lm.banks.layers[0].tensors
+        for _ in range(6):
+            fill()
+            graph.replay()
+            torch.cuda.synchronize()
+            want = moe_reference(h.cpu(), ids.cpu(), w.cpu(), banks["gate_up"].float(), banks["down"].float())
+            torch.testing.assert_close(out.cpu(), want, atol=2e-3, rtol=2e-3)  # TF32-level GEMM noise allowed
+        assert backend.handoff.poll_stats()["error"] == ""
+    finally:
+        backend.close()
