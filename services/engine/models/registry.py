@@ -21,6 +21,7 @@ from services.engine.models.errors import LoaderError
 from services.engine.models.loader import load_checkpoint
 from services.engine.models.spec import ModelSpec
 from services.engine.models import synthetic
+from services.engine.runtime.kv_cache import KVCache
 from services.engine.moe.backends import BackendContext, ExpertBackend, make_backend
 from services.engine.moe.banks import ExpertBanks
 
@@ -98,7 +99,8 @@ def build_backend(loaded: LoadedModel, config: EngineConfig) -> ExpertBackend:
     if config.moe_backend is not MoEBackend.RESIDENT and loaded.device.type == "cuda":
         pin_banks(loaded.banks)
     ctx = BackendContext(banks=loaded.banks, config=config, device=loaded.device, dtype=loaded.dtype,
-                         top_k=loaded.spec.top_k, weight_bytes_on_device=loaded.model.non_expert_nbytes())
+                         top_k=loaded.spec.top_k, weight_bytes_on_device=loaded.model.non_expert_nbytes(),
+                         kv_bytes_per_token=KVCache.nbytes_per_token(loaded.spec, loaded.dtype))
     return make_backend(ctx)
 
 

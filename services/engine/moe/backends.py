@@ -42,6 +42,7 @@ class BackendContext:
     dtype: torch.dtype
     top_k: int  # A
     weight_bytes_on_device: int  # non-expert weights already placed (for --moe-cache-auto)
+    kv_bytes_per_token: int | None = None  # KV cache bytes per token (--moe-cache-auto keeps a KV reserve)
 
 
 BackendFactory = Callable[[BackendContext], ExpertBackend]
@@ -56,7 +57,8 @@ def register_backend(kind: MoEBackend) -> Callable[[BackendFactory], BackendFact
 
 
 # Modules whose import registers a backend. A new backend adds its module here.
-_BACKEND_MODULES = ("services.engine.moe.resident", "services.engine.moe.offload", "services.engine.moe.hybrid")
+_BACKEND_MODULES = ("services.engine.moe.resident", "services.engine.moe.offload", "services.engine.moe.hybrid",
+                   "services.engine.moe.auto")
 
 
 def make_backend(ctx: BackendContext) -> ExpertBackend:

@@ -1,0 +1,77 @@
+"""`--moe-backend auto`: offload without a profile (and the log says how to make one), hybrid when this
+GPU's profile predicts it faster, a reload that switches backends while keeping the greedy tokens."""
+
+import logging
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before any Triton kernel is defined (see tests/kernels/conftest.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from services.common import profiles as P  # noqa: E402
+from services.engine.config import EngineConfig  # noqa: E402
+from services.engine.models.registry import build_backend, load_model  # noqa: E402
+from services.engine.moe import auto  # noqa: E402
+from services.engine.moe.hybrid import HybridBackend  # noqa: E402
+from services.engine.moe.offload import OffloadBackend  # noqa: E402
+from tests.common.test_profiles import GPU, make_profile  # noqa: E402
+from tests.helpers import greedy_generate  # noqa: E402
+
+PROMPT = [(5 * i + 1) % 100 + 3 for i in range(12)]
+NEW_TOKENS = 8
+
+
+def fp32_profile(cpu_ov: float, pcie_ov: float) -> P.Profile:
+    """A profile for the fp32 test models: the decision reads the format key of the engine's dtype."""
+    p = make_profile(GPU, c_sync=0.0)
+    k = P.KernelBandwidths(cpu_executor_bs1=cpu_ov, pcie_gather=pcie_ov)
+    return p.model_copy(update={"kernels": {"float32": k},
+                                "concurrent": {"float32": P.Concurrent(pcie_ov=pcie_ov, cpu_ov=cpu_ov)}})
+
+
+@pytest.fixture(scope="module")
+def qwen3(hf_checkpoints):
+    ckpt = hf_checkpoints["qwen3_moe"]
+    lm = load_model(EngineConfig(model=str(ckpt.dir)), attach_backend=False)
+    lm.model.set_backend(build_backend(lm, EngineConfig(model=str(ckpt.dir))))
+    return lm, ckpt.dir, greedy_generate(lm, PROMPT, NEW_TOKENS)
+
+
+def auto_backend_for(lm, model_dir):
+    cfg = EngineConfig(model=str(model_dir), moe_backend="auto", moe_cache_size=lm.spec.num_experts)
+    backend = build_backend(lm, cfg)
+    lm.model.set_backend(backend)
+    return backend
+
+
+def test_no_profile_means_offload_and_says_how(qwen3, tmp_path, monkeypatch, caplog):
+    lm, model_dir, expected = qwen3
+    monkeypatch.setenv("TANDEM_PROFILES_DIR", str(tmp_path))
+    with caplog.at_level(logging.INFO):
+        backend = auto_backend_for(lm, model_dir)
+    assert isinstance(backend.inner, OffloadBackend)
+    assert "tandem bench bw" in caplog.text
+    assert greedy_generate(lm, PROMPT, NEW_TOKENS) == expected
+    assert backend.stats()["auto"]["chosen"] == "offload"
+
+
+def test_profile_picks_hybrid_and_reload_switches(qwen3, tmp_path, monkeypatch):
+    lm, model_dir, expected = qwen3
+    monkeypatch.setenv("TANDEM_PROFILES_DIR", str(tmp_path))
+    # the CPU test machine has no GPU uuid: stand in this GPU's identity, the profile itself is real
+    monkeypatch.setattr(auto, "gpu_uuid", lambda device: GPU)
+    P.write_profile(fp32_profile(cpu_ov=200.0, pcie_ov=20.0), tmp_path)  # CPU adds 10x: hybrid
+    backend = auto_backend_for(lm, model_dir)
+    assert isinstance(backend.inner, HybridBackend)
+    assert backend.stats()["auto"]["fetch_fraction"] == pytest.approx(20.0 / 220.0)
+    assert greedy_generate(lm, PROMPT, NEW_TOKENS) == expected
+    assert backend.stats()["cache"]["cpu_computed"] > 0
+
+    P.write_profile(fp32_profile(cpu_ov=2.0, pcie_ov=50.0), tmp_path)  # a slow CPU now: offload
+    result = backend.reload_profile()
+    assert result["rebuilt"] and result["auto"]["chosen"] == "offload"
+    assert isinstance(backend.inner, OffloadBackend)
+    assert greedy_generate(lm, PROMPT, NEW_TOKENS) == expected
