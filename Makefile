@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml
 system-deps:
 	@bash scripts/setup-system.sh
 
+# The compose topology as local processes (redis, worker, engine, gateway, Prometheus when installed).
+# Extra engine flags: make run ARGS="--moe-backend offload --moe-cache-rate 0.5"
 run: setup
-	$(VENV)/bin/tandem serve --model demo --device cpu --port $${PORT:-8000}
+	$(VENV)/bin/tandem stack --model $${TANDEM_MODEL:-demo} --device cpu --port $${PORT:-8000} $(ARGS)
 
 test: setup
 	$(PY) -m pytest

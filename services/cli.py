@@ -11,6 +11,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("serve",): ("services.serve:main", "gateway + engine in one process (single machine)"),
     ("engine",): ("services.engine.api:main", "the engine service alone (internal HTTP API)"),
     ("gateway",): ("services.gateway.app:main", "the OpenAI-compatible gateway alone"),
+    ("stack",): ("services.local_stack:main", "redis + worker + engine + gateway + Prometheus as local processes"),
     ("model", "demo"): ("services.engine.models.demo:main", "write the small demo MoE checkpoint (HF layout)"),
     ("bench", "bw"): ("services.profiler.bench_bw:main", "measure host/PCIe bandwidths, write a profile"),
     ("bench", "load"): ("services.profiler.bench_load:main", "compare checkpoint loading strategies"),

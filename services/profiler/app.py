@@ -33,6 +33,10 @@ app.conf.update(
     task_queues=[Queue(host_queue()), Queue(SHARED_QUEUE)],
     task_default_queue=SHARED_QUEUE,
     worker_concurrency=1,
+    # solo pool: tasks run in the worker process itself, so the job metrics they record reach the
+    # worker's /metrics (a prefork child's counters would be lost). The benchmark itself already runs
+    # in a subprocess, so a crash still cannot take the worker down.
+    worker_pool="solo",
     worker_prefetch_multiplier=1,
     task_acks_late=True,
     task_track_started=True,  # STARTED between PENDING and PROGRESS: the admin API shows "running"

@@ -161,7 +161,11 @@ def nvml_gpu_uuids() -> list[str]:
         pynvml.nvmlShutdown()
 
 
+# Process state: the worker calls start_worker_metrics_server once, from its worker_init signal.
 _server_started = False
+_server_pid: int | None = None  # the process serving /metrics
+_signals_connected = False
+_warned_child = False
 
 
 def start_worker_metrics_server(port: int | None = None, addr: str = "0.0.0.0",
@@ -186,7 +190,12 @@ def start_worker_metrics_server(port: int | None = None, addr: str = "0.0.0.0",
 
 
 def connect_celery_signals() -> None:
-    """Count every task run by this worker process (prerun -> started, postrun -> succeeded/failed)."""
+    """Count every task run by this worker process (prerun -> started, postrun -> succeeded/failed).
+    Idempotent: connecting twice would count every job twice."""
+    global _signals_connected
+    if _signals_connected:
+        return
+    _signals_connected = True
     from celery import signals
 
     def prerun(sender=None, task_id=None, task=None, **_):
@@ -207,10 +216,6 @@ def connect_celery_signals() -> None:
     signals.task_prerun.connect(prerun, weak=False)
     signals.task_postrun.connect(postrun, weak=False)
     signals.worker_ready.connect(ready, weak=False)
-
-
-_server_pid: int | None = None  # process serving /metrics (set by start_worker_metrics_server)
-_warned_child = False
 
 
 def _warn_if_pool_child() -> None:

@@ -1,0 +1,190 @@
+"""The engine's internal HTTP API (versioned under /engine/v1; /health and /metrics at the root).
+
+    GET  /health                 {"status":"loading","progress":{...}} | {"status":"ok","maintenance":...}
+    GET  /metrics                Prometheus text
+    GET  /engine/v1/info         model id, max_seq_len, tokenizer.json text, tokenizer/generation config, eos ids
+    POST /engine/v1/generate     {request_id, prompt_token_ids, sampling{...}} -> NDJSON lines
+                                 {token_ids, finish_reason, prompt_tokens, completion_tokens[, stop_token_id]}
+                                 a client that disconnects aborts the request (its KV slot is freed)
+    POST /engine/v1/abort        {request_id}
+    GET  /engine/v1/stats        JSON (throughput, running/waiting, KV use, expert-cache counters, VRAM)
+    POST /engine/v1/reload-profile
+
+Errors: {"error": {"message", "type", "param", "code"}} with 400 (invalid), 429 (+ Retry-After, queue
+full), 503 (loading / failed). The engine never speaks the OpenAI protocol: token ids in, token ids out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from services.common.logging import get_logger, setup_logging
+from services.common.settings import add_dataclass_arguments, dataclass_from_args
+from services.engine.config import EngineConfig
+from services.engine.engine import (Engine, EngineNotReadyError, InvalidRequestError, QueueFullError,
+                                    RequestStream)
+from services.engine.reports import API_VERSION
+from services.engine.runtime.sampler import SamplingParams
+
+log = get_logger("engine.api")
+
+PREFIX = "/engine/v1"
+RETRY_AFTER_S = 1
+
+
+def error_body(message: str, type_: str, code: int | str | None = None, param: str | None = None) -> dict:
+    """The one error shape of every Tandem HTTP API (OpenAI's)."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(exc: Exception):
+    """Map the engine's exceptions to HTTP."""
+    if isinstance(exc, QueueFullError):
+        return JSONResponse(error_body(str(exc), "rate_limit_error", 429), 429,
+                            headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, EngineNotReadyError):
+        return JSONResponse(error_body(str(exc), "service_unavailable", 503), 503, headers={"Retry-After": "5"})
+    if isinstance(exc, (InvalidRequestError, ValueError, TypeError)):
+        return JSONResponse(error_body(str(exc), "invalid_request_error", 400), 400)
+    raise exc
+
+
+def create_app(engine: Engine) -> FastAPI:
+    """The engine service's app over a started (or starting) engine: /health, /metrics, /engine/v1."""
+    app = FastAPI(title="Tandem engine", version=API_VERSION)
+    app.state.engine = engine
+
+    @app.get("/health")
+    async def health():
+        body = engine.health()
+        ok = body.get("status") == "ok" and body.get("maintenance") != "failed"
+        return JSONResponse(body, 200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        from services.engine.metrics import render_metrics
+
+        await engine.refresh_metrics()
+        body, content_type = render_metrics()
+        return Response(body, media_type=content_type)
+
+    app.include_router(create_router(engine))
+    return app
+
+
+def create_router(engine: Engine, dependencies: list | None = None) -> APIRouter:
+    """The versioned routes (/engine/v1/...); `tandem serve` mounts them on the gateway's port too,
+    behind its API keys."""
+    app = APIRouter(dependencies=dependencies or [])
+
+    @app.get(PREFIX + "/info")
+    async def info():
+        try:
+            return engine.info()
+        except EngineNotReadyError as exc:
+            return error_response(exc)
+
+    @app.get(PREFIX + "/stats")
+    async def stats():
+        return await engine.stats()
+
+    @app.post(PREFIX + "/abort")
+    async def abort(request: Request):
+        body = await _json_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        engine.abort(str(body.get("request_id", "")))
+        return {"aborted": body.get("request_id")}
+
+    @app.post(PREFIX + "/reload-profile")
+    async def reload_profile():
+        try:
+            return await engine.reload_profile()
+        except EngineNotReadyError as exc:
+            return error_response(exc)
+        except Exception as exc:  # the backend's reload failed: say why, keep serving
+            log.exception("profile reload failed")
+            return JSONResponse(error_body(f"profile reload failed: {exc}", "server_error", 500), 500)
+
+    @app.post(PREFIX + "/generate")
+    async def generate(request: Request):
+        body = await _json_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            request_id, prompt, params = parse_generate(body)
+            stream = engine.submit(request_id, prompt, params)
+        except Exception as exc:
+            return error_response(exc)
+        return StreamingResponse(_ndjson(stream), media_type="application/x-ndjson")
+
+    return app
+
+
+async def _json_body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return JSONResponse(error_body(f"request body is not valid JSON: {exc}", "invalid_request_error", 400), 400)
+
+
+def parse_generate(body: Any) -> tuple[str, list[int], SamplingParams]:
+    """Validate a generate body; ValueError/TypeError name the bad field."""
+    if not isinstance(body, dict):
+        raise ValueError("generate body must be a JSON object")
+    prompt = body.get("prompt_token_ids")
+    if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise ValueError("prompt_token_ids must be a list of integers")
+    sampling = body.get("sampling") or {}
+    if not isinstance(sampling, dict):
+        raise ValueError("sampling must be an object")
+    params = SamplingParams.from_dict(sampling)
+    return str(body.get("request_id") or uuid.uuid4().hex), prompt, params
+
+
+async def _ndjson(stream: RequestStream):
+    """Yield one JSON line per output; a disconnect (cancellation/close) aborts the request."""
+    try:
+        async for out in stream:
+            yield json.dumps(out) + "\n"
+    finally:
+        stream.abort()
+
+
+# -- `tandem engine` --------------------------------------------------------------------------------
+def build_parser(prog: str = "tandem engine") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="The Tandem engine alone: loads the model and serves "
+                                     "the internal API (/engine/v1, /health, /metrics) for one or more gateways.")
+    add_dataclass_arguments(parser, EngineConfig)
+    parser.add_argument("--log-level", default=None,
+                        help="DEBUG logs each request's summary (default: TANDEM_LOG_LEVEL)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        config = dataclass_from_args(EngineConfig, args)
+    except ValueError as exc:
+        print(f"tandem engine: {exc}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    url = f"http://{config.host}:{config.port}"
+    engine = Engine(config, on_ready=lambda: log.info("ready on %s (model %s, backend %s)", url,
+                                                      engine.loaded.model_id, config.moe_backend.value))
+    engine.start()
+    app = create_app(engine)
+    log.info("engine API on http://%s:%d (model %s loading in the background; GET /health for progress)",
+             config.host, config.port, config.model)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=2)
+    engine.shutdown()
+    return 0

@@ -1,0 +1,59 @@
+"""What the engine reports about itself, as JSON (no torch objects leave this file):
+GET /engine/v1/info (build_info), the expert backend's counters in the metrics contract's shape
+(flat_backend_stats) and VRAM use (vram_stats)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from services.engine.config import EngineConfig
+
+API_VERSION = "v1"
+
+
+def flat_backend_stats(raw: dict) -> dict:
+    """A backend's stats with the metrics contract's keys at the top (services/engine/metrics.py):
+    counters nested under "cache" (offload, hybrid) and the bandwidth pair lifted; the nested
+    originals stay for readers that know them."""
+    out = {**(raw.get("cache") or {}), **raw}
+    bw = raw.get("bandwidth_bytes_per_second")
+    if isinstance(bw, dict):
+        out.setdefault("pcie_bytes_per_second", bw.get("pcie"))
+        out.setdefault("cpu_bytes_per_second", bw.get("cpu"))
+    return out
+
+
+def vram_stats(config: EngineConfig) -> dict | None:
+    """VRAM use in bytes when on CUDA (None on CPU)."""
+    if config.device.value != "cuda":
+        return None
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return {"allocated_bytes": torch.cuda.memory_allocated(), "reserved_bytes": torch.cuda.memory_reserved(),
+            "free_bytes": free, "total_bytes": total}
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def build_info(loaded, max_seq_len: int) -> dict:
+    """GET /engine/v1/info: what the gateway needs to tokenize, template and stop (no torch objects)."""
+    model_dir = Path(loaded.model_dir)
+    tok_path = model_dir / "tokenizer.json"
+    if not tok_path.is_file():
+        raise FileNotFoundError(f"{tok_path}: missing tokenizer.json; the engine cannot serve text without it")
+    from services.common.tokenizer import Tokenizer
+
+    gen = _read_json(model_dir / "generation_config.json")
+    # generation_config's eos_token_id, else tokenizer_config's eos_token (the text helper's rule),
+    # else config.json's eos_token_id
+    eos_ids = Tokenizer.from_dir(model_dir).eos_token_ids
+    if not eos_ids:
+        eos = _read_json(model_dir / "config.json").get("eos_token_id")
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    return {"api_version": API_VERSION, "model_id": loaded.model_id, "max_seq_len": max_seq_len,
+            "tokenizer_json": tok_path.read_text(), "tokenizer_config": _read_json(model_dir / "tokenizer_config.json"),
+            "generation_config": gen, "eos_token_ids": eos_ids}

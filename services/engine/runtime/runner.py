@@ -1,0 +1,173 @@
+"""Runs one scheduled batch: build the model inputs, one forward over the KV cache, sample.
+
+Dimension legend: T tokens in the step · N sequences in the step · V vocabulary · S KV slots.
+
+The runner owns the KV cache (``S = max_running_requests`` slots of ``max_seq_len`` tokens, plus one
+padding slot when CUDA graphs are on) and the sampler; the model is the registry's ``MoECausalLM``
+(contract: ``forward(input_ids [T], positions [T], ForwardBatch, KVCache) -> logits [N, V]``).
+
+On CUDA, decode steps (one token per sequence) replay CUDA graphs captured at start for padded batch
+sizes 1, 2, 4, 8, 16, ...: an eager decode step costs ~20 launches x L layers x ~19 us (DESIGN.md §6:
+~18 ms/token at 48 layers), a replay one launch. Padding rows write to the spare KV slot. Each graph is
+checked against an eager forward once after capture; a size that fails to capture or to match runs
+eager (logged), so a backend that is not graph-safe costs speed, never correctness.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.common.logging import get_logger
+from services.common.settings import env
+from services.engine.runtime.sampler import Sampler, make_generator
+from services.engine.runtime.scheduler import ScheduledBatch
+
+log = get_logger("runner")
+
+# Backends whose decode path is capturable as a whole (no host sync, no Python-side decisions per
+# step). Others may say so themselves with a ``cuda_graph_safe = True`` attribute.
+GRAPH_SAFE_BACKENDS = ("resident", "offload")
+
+
+class ModelRunner:
+    """One forward + sample per engine step, on the model's device."""
+
+    def __init__(self, loaded, num_slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype,
+                 backend_name: str = "resident"):
+        from services.engine.runtime.kv_cache import KVCache  # model helper's module
+
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = device
+        self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None
+        use_graphs = device.type == "cuda" and env("TANDEM_CUDA_GRAPHS") != "0" and getattr(
+            loaded.model.backend, "cuda_graph_safe", backend_name in GRAPH_SAFE_BACKENDS)
+        # one spare slot for the padding rows of graph replays
+        self.kv = KVCache(loaded.spec, num_slots + int(use_graphs), max_seq_len, device, dtype)
+        self.num_slots = num_slots
+        self.graphs_enabled = use_graphs
+        if use_graphs:
+            self.graphs = DecodeGraphs(self.model, self.kv, max_batch=num_slots, pad_slot=num_slots)
+            self.graphs.capture()
+
+    def recapture(self) -> None:
+        """Capture the decode graphs again after the expert backend was rebuilt (an `auto` profile
+        reload): the old graphs replay the old backend's buffers. Graphs stay off if they were off."""
+        if not self.graphs_enabled:
+            return
+        self.graphs = None
+        torch.cuda.empty_cache()
+        if getattr(self.model.backend, "cuda_graph_safe", True):
+            self.graphs = DecodeGraphs(self.model, self.kv, max_batch=self.num_slots, pad_slot=self.num_slots)
+            self.graphs.capture()
+        else:
+            log.info("expert backend is not CUDA-graph safe: decode runs eagerly")
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[int]:
+        """Forward the batch and return one sampled token id per sequence (N ints)."""
+        logits = None
+        if self.graphs is not None and batch.num_prefill == 0:
+            logits = self.graphs.run(batch.input_ids, batch.positions, batch.slots)  # [N, V] or None
+        if logits is None:
+            logits = self.forward_eager(batch)
+        for req in batch.requests:
+            if req.generator is None and not req.params.greedy:
+                req.generator = make_generator(req.params.seed, self.device)
+        return self.sampler(logits, [r.params for r in batch.requests], [r.generator for r in batch.requests])
+
+    def forward_eager(self, batch: ScheduledBatch) -> torch.Tensor:
+        from services.engine.runtime.kv_cache import ForwardBatch
+
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)  # [T]
+        positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)  # [T]
+        fb = ForwardBatch(slots=batch.slots, start_pos=batch.start_pos, query_lens=batch.query_lens)
+        return self.model(input_ids, positions, fb, self.kv)  # [N, V] fp32
+
+    def stats(self) -> dict:
+        return {"cuda_graph_sizes": sorted(self.graphs.graphs) if self.graphs else []}
+
+
+class DecodeGraphs:
+    """CUDA graphs of one decode step per padded batch size, sharing one memory pool and one static
+    input buffer ``[3, max_batch]`` (token ids, positions, slots) filled by a single H2D copy."""
+
+    def __init__(self, model, kv, max_batch: int, pad_slot: int):
+        self.model, self.kv = model, kv
+        self.max_batch, self.pad_slot = max_batch, pad_slot
+        self.sizes = sorted({b for b in (1, 2, 4, 8) if b <= max_batch} | set(range(16, max_batch + 1, 8))
+                            | {max_batch})
+        self.static = torch.zeros(3, max_batch, dtype=torch.long, device=kv.device)  # [3, Bmax]
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # B -> (graph, logits [B, V])
+        self._pool = None
+
+    def _batch(self, B: int):
+        from services.engine.runtime.kv_cache import ForwardBatch
+
+        # kv_len = the whole window: shapes never change between replays (positions mask the rest)
+        return ForwardBatch(slots=[self.pad_slot] * B, start_pos=[0] * B, query_lens=[1] * B,
+                            kv_len=self.kv.max_seq_len, slot_ids=self.static[2, :B])
+
+    def _reset_inputs(self) -> None:
+        self.static[0].fill_(1)
+        self.static[1].zero_()
+        self.static[2].fill_(self.pad_slot)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        for B in sorted(self.sizes, reverse=True):  # largest first: the smaller ones reuse its pool
+            try:
+                self._capture_one(B)
+            except Exception as exc:  # not capturable (host sync, unsupported op): this size runs eager
+                log.warning("decode batch %d: CUDA graph capture failed, eager instead (%s: %s)", B,
+                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                torch.cuda.synchronize()
+        log.info("CUDA graphs captured for decode batch sizes %s", sorted(self.graphs) or "none")
+
+    def _capture_one(self, B: int) -> None:
+        ids, pos, batch = self.static[0, :B], self.static[1, :B], self._batch(B)
+        self._reset_inputs()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: lazy inits, Triton compiles, allocator
+            for _ in range(2):
+                self.model(ids, pos, batch, self.kv)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: CUDA calls of other threads (the hybrid split controller's side stream) may go on
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = self.model(ids, pos, batch, self.kv)  # [B, V] static output
+        self._pool = graph.pool()
+        # Check the replay against an eager forward built from plain lists (catches anything frozen at
+        # capture time, e.g. a slot list read on the host): rows in real slots 0..B-1 at position 0
+        # (nothing is running yet), distinct tokens.
+        from services.engine.runtime.kv_cache import ForwardBatch
+
+        self.static[0, :B].copy_(torch.arange(3, 3 + B))
+        self.static[1, :B].zero_()
+        self.static[2, :B].copy_(torch.arange(B))
+        graph.replay()
+        replayed = out.clone()
+        eager = self.model(self.static[0, :B].clone(), self.static[1, :B].clone(),
+                           ForwardBatch(slots=list(range(B)), start_pos=[0] * B, query_lens=[1] * B), self.kv)
+        # Loose on purpose: bf16 kernels over a longer masked window may round differently; a frozen
+        # decision (wrong slot, wrong expert) moves logits by their own magnitude.
+        diff, scale = (replayed - eager).abs().max().item(), eager.abs().max().item()
+        if not diff <= 0.02 * scale + 1e-3:
+            raise RuntimeError(f"replay differs from eager: max abs diff {diff:.3g} (logits up to {scale:.3g})")
+        self.graphs[B] = (graph, out)
+
+    def run(self, input_ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor | None:
+        """logits [N, V] of a decode step by graph replay, or None when no captured size fits N."""
+        n = len(input_ids)
+        B = next((b for b in sorted(self.graphs) if b >= n), None)
+        if B is None:
+            return None
+        pad = B - n
+        host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [self.pad_slot] * pad],
+                            dtype=torch.long)  # [3, B]
+        self.static[:, :B].copy_(host)
+        graph, out = self.graphs[B]
+        graph.replay()
+        return out[:n]

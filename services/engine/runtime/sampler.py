@@ -1,0 +1,125 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, with one seeded generator per request.
+
+Dimension legend: N sequences in the batch · V vocabulary size.
+
+Reproducibility: each request owns a ``torch.Generator`` seeded by its ``seed`` (or a random seed when
+none is given) and draws exactly one random number tensor per generated token, so the tokens of a
+request depend only on its own logits and seed — never on which other requests share the batch.
+Greedy rows (temperature 0) never touch a generator.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """What a request asks of the sampler and of the stop logic (the engine API's ``sampling`` object)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass kept, (0, 1]
+    top_k: int = -1  # -1 or 0 = whole vocabulary
+    seed: int | None = None  # None = a random seed (not reproducible)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)  # extra stop ids besides the model's EOS
+
+    def __post_init__(self) -> None:
+        # Types first: a bad value must be refused here (400), not fail a whole batch on the model thread.
+        ints = {"max_tokens": self.max_tokens, "top_k": self.top_k}
+        if self.seed is not None:
+            ints["seed"] = self.seed
+        for name, value in ints.items():
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an integer, got {value!r}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise TypeError(f"{name} must be a number, got {value!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if not isinstance(self.stop_token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise TypeError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SamplingParams":
+        """Build from the engine API's JSON (unknown keys rejected so typos are not silently ignored)."""
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown sampling field(s): {', '.join(sorted(unknown))}")
+        return cls(**{k: v for k, v in data.items() if v is not None})
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """A generator for one request on ``device``; a random seed when ``seed`` is None."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed % 2**64 if seed is not None else random.randrange(2**63))  # any int, negatives too
+    return gen
+
+
+class Sampler:
+    """Turns last-position logits into next tokens for a batch of requests."""
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> list[int]:
+        """logits [N, V] fp32 · params/generators one per row -> N token ids.
+
+        Greedy rows take the argmax; the others apply temperature, then top-k, then top-p (both on the
+        tempered distribution, like transformers' warpers) and draw with the row's generator.
+        """
+        assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators), (
+            f"sampler: logits {tuple(logits.shape)} vs {len(params)} params / {len(generators)} generators")
+        logits = logits.float()
+        out = logits.argmax(dim=-1)  # [N]
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            idx = torch.tensor(rows, device=logits.device)
+            probs = self._filtered_probs(logits[idx], [params[i] for i in rows])  # [n, V]
+            for j, i in enumerate(rows):
+                out[i] = self._draw(probs[j], generators[i])
+        return out.tolist()
+
+    @staticmethod
+    def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """logits [n, V] -> probabilities [n, V] after temperature, top-k and top-p (per-row values)."""
+        n, V = logits.shape
+        dev = logits.device
+        temp = torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32)  # [n]
+        logits = logits / temp[:, None]
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [n, V]
+        ranks = torch.arange(V, device=dev)[None, :]  # [1, V]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params], device=dev)  # [n]
+        drop = ranks >= top_k[:, None]  # [n, V] beyond the k best
+        probs_sorted = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32)  # [n]
+        mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted  # [n, V] mass of strictly better tokens
+        # keeps at least the best token; top_p == 1 filters nothing (fp32 cumsum can reach 1.0 early)
+        drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        probs = torch.empty_like(logits)
+        probs.scatter_(1, sorted_idx, sorted_logits.softmax(dim=-1))
+        return probs
+
+    @staticmethod
+    def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """One token from probs [V] (exponential race: argmax p/q, q ~ Exp(1); one draw of V numbers)."""
+        q = torch.empty_like(probs).exponential_(generator=generator)
+        return (probs / q).argmax()

@@ -1,0 +1,212 @@
+"""Continuous batching: which requests run in the next forward, and what happens after it.
+
+A step's batch holds the requests admitted this step (their whole prompt: prefill) followed by every
+running request (one token each: decode), all in one ``ForwardBatch`` — tokens of one sequence
+contiguous. Requests wait in a bounded FIFO queue; each running request owns one KV slot
+(``max_running_requests`` slots in all) until it finishes or is aborted.
+
+Everything here runs on the engine thread; only ``Request.emit`` crosses to the API side.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from services.engine.runtime.sampler import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an EOS / stop token was sampled
+    LENGTH = "length"  # max_tokens reached (or the sequence hit max_seq_len)
+    ABORT = "abort"  # the client went away or asked to abort
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at --max-waiting-requests; the API answers 429."""
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine can never serve as asked; the API answers 400."""
+
+
+class RequestTooLongError(InvalidRequestError):
+    """prompt + max_tokens exceeds --max-seq-len; the API answers 400."""
+
+
+@dataclass(eq=False)  # identity semantics: list.remove/in must never compare fields
+class Request:
+    """One generation request as the engine thread sees it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    emit: Callable[[dict], None]  # called on the engine thread with each output (see Scheduler._output)
+    output_token_ids: list[int] = field(default_factory=list)
+    slot: int | None = None
+    generator: torch.Generator | None = None  # created by the runner on the compute device
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+@dataclass
+class ScheduledBatch:
+    """One forward's worth of work: ``requests[:num_prefill]`` prefill, the rest decode one token."""
+
+    requests: list[Request]
+    num_prefill: int
+    input_ids: list[int]  # [T] concatenated per sequence
+    positions: list[int]  # [T]
+    slots: list[int]  # [N]
+    start_pos: list[int]  # [N] tokens already in each slot's cache
+    query_lens: list[int]  # [N]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+class Scheduler:
+    """FIFO admission into a fixed set of KV slots; stop checks after each step."""
+
+    def __init__(self, max_running: int, max_waiting: int, max_seq_len: int, eos_token_ids: list[int],
+                 max_prefill_tokens: int | None = None):
+        self.max_running = max_running
+        self.max_waiting = max_waiting
+        self.max_seq_len = max_seq_len
+        self.eos_token_ids = set(eos_token_ids)
+        # Bound on prompt tokens admitted per step so one big prefill batch does not stall decoding;
+        # a single prompt longer than the budget is still admitted alone.
+        self.max_prefill_tokens = max_prefill_tokens or max(max_seq_len, 2048)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_slots: list[int] = list(range(max_running - 1, -1, -1))  # pop() gives slot 0 first
+
+    # -- admission ---------------------------------------------------------------------------
+    def check(self, prompt_len: int, params: SamplingParams) -> None:
+        """Raise RequestTooLongError if the request can never fit in one KV slot."""
+        if prompt_len == 0:
+            raise InvalidRequestError("prompt_token_ids is empty; give at least one token")
+        if prompt_len + params.max_tokens > self.max_seq_len:
+            raise RequestTooLongError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{prompt_len + params.max_tokens} exceeds the engine's --max-seq-len {self.max_seq_len}")
+
+    def add(self, req: Request) -> None:
+        """Queue a request (FIFO). Raises QueueFullError / RequestTooLongError."""
+        self.check(len(req.prompt_token_ids), req.params)
+        if len(self.waiting) >= self.max_waiting:
+            raise QueueFullError(f"waiting queue full ({self.max_waiting} requests, --max-waiting-requests)")
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ----------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        """Admit waiting requests into free slots, then build one batch: new prefills + all decodes."""
+        admitted: list[Request] = []
+        budget = self.max_prefill_tokens
+        while self.waiting and self.free_slots:
+            req = self.waiting[0]
+            if admitted and len(req.prompt_token_ids) > budget:
+                break
+            self.waiting.popleft()
+            req.slot = self.free_slots.pop()
+            budget -= len(req.prompt_token_ids)
+            admitted.append(req)
+        decoding = list(self.running)
+        if not admitted and not decoding:
+            return None
+        self.running.extend(admitted)
+        batch = ScheduledBatch(admitted + decoding, len(admitted), [], [], [], [], [])
+        for req in admitted:
+            n = len(req.prompt_token_ids)
+            batch.input_ids += req.prompt_token_ids
+            batch.positions += range(n)
+            batch.slots.append(req.slot)
+            batch.start_pos.append(0)
+            batch.query_lens.append(n)
+        for req in decoding:
+            pos = req.num_tokens - 1  # the last sampled token is not in the cache yet
+            batch.input_ids.append(req.output_token_ids[-1])
+            batch.positions.append(pos)
+            batch.slots.append(req.slot)
+            batch.start_pos.append(pos)
+            batch.query_lens.append(1)
+        return batch
+
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> None:
+        """Append each sampled token, emit it, and retire finished requests (slot freed at once)."""
+        now = time.monotonic()
+        for req, tok in zip(batch.requests, token_ids):
+            if req.finish_reason is not None:  # aborted while the step ran
+                continue
+            req.output_token_ids.append(tok)
+            req.first_token_time = req.first_token_time or now
+            req.last_token_time = now
+            p = req.params
+            if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
+                req.finish_reason, req.stop_token_id = FinishReason.STOP, tok
+            elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_seq_len:
+                req.finish_reason = FinishReason.LENGTH
+            req.emit(self._output(req, [tok]))
+            if req.finish_reason is not None:
+                self._release(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Drop a request wherever it is; frees its slot. Returns it, or None if unknown (already done)."""
+        for req in self.waiting:
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                break
+        else:
+            req = next((r for r in self.running if r.request_id == request_id), None)
+            if req is None:
+                return None
+            self._release(req)
+        req.finish_reason = FinishReason.ABORT
+        req.emit(self._output(req, []))
+        return req
+
+    def abort_all(self, reason: str) -> None:
+        """Abort every request (engine shutting down or failed)."""
+        for req in list(self.waiting) + list(self.running):
+            self.abort(req.request_id)
+
+    def _release(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if req.slot is not None:
+            self.free_slots.append(req.slot)
+            req.slot = None
+
+    @staticmethod
+    def _output(req: Request, token_ids: list[int]) -> dict:
+        """One line of the engine API's NDJSON stream."""
+        out = {"token_ids": token_ids,
+               "finish_reason": req.finish_reason.value if req.finish_reason else None,
+               "prompt_tokens": len(req.prompt_token_ids),
+               "completion_tokens": len(req.output_token_ids)}
+        if req.stop_token_id is not None:
+            out["stop_token_id"] = req.stop_token_id
+        return out
+
+    def stats(self) -> dict:
+        used = sum(r.num_tokens for r in list(self.running))  # snapshot: read from the API thread too
+        return {"running": len(self.running), "waiting": len(self.waiting),
+                "kv_slots_used": self.max_running - len(self.free_slots), "kv_slots_total": self.max_running,
+                "kv_tokens_used": used, "kv_tokens_total": self.max_running * self.max_seq_len,
+                "kv_usage": used / (self.max_running * self.max_seq_len)}

@@ -1,0 +1,257 @@
+"""The OpenAI-compatible gateway: FastAPI app, its config and `tandem gateway`.
+
+Routes: /v1/models, /v1/chat/completions, /v1/completions (API keys), /admin/... (admin token),
+/health (the engines' state: loading progress, then serving), /metrics (Prometheus).
+Every error is OpenAI's body {"error": {"message", "type", "param", "code"}}: validation -> 400 (not
+FastAPI's 422), bad JSON -> 400, missing/wrong key -> 401, unknown model -> 404, body over
+--max-body-bytes -> 413, queue full -> 429 + Retry-After, no engine -> 503.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.common.logging import get_logger, setup_logging
+from services.common.settings import add_dataclass_arguments, dataclass_from_args, field
+from services.gateway import serving_chat, serving_completions
+from services.gateway.admin import create_router as admin_router
+from services.gateway.auth import AuthError, api_key_guard
+from services.gateway.engines import EngineClient, EngineError, EnginePool, HttpEngineClient
+from services.gateway.generation import RequestError
+from services.gateway.metrics import PrometheusMiddleware, render_metrics
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+
+log = get_logger("gateway")
+
+
+@dataclass
+class GatewayConfig:
+    engines: str = field("http://127.0.0.1:8001", env="TANDEM_ENGINES", flag="--engine",
+                         help="engine URL(s) behind this gateway, comma-separated")
+    host: str = field("127.0.0.1", help="address the gateway listens on")
+    port: int = field(8000, help="port the gateway listens on")
+    api_keys: str = field("", env="TANDEM_API_KEYS", flag="--api-key",
+                          help="Bearer key(s) accepted on /v1, comma-separated; empty = no auth")
+    admin_token: str = field("", env="TANDEM_ADMIN_TOKEN", help="Bearer token for /admin; empty = admin API disabled")
+    redis_url: str = field("redis://127.0.0.1:6379/0", env="TANDEM_REDIS_URL",
+                           help="Celery broker/backend for profile jobs")
+    profiles_dir: str = field("", env="TANDEM_PROFILES_DIR", help="profiles volume listed by GET /admin/profiles")
+    max_body_bytes: int = field(4 * 1024 * 1024, help="largest request body accepted (larger -> 413)")
+    health_interval_s: float = field(1.0, help="seconds between health checks of each engine")
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes <= 0:
+            raise ValueError(f"--max-body-bytes must be positive, got {self.max_body_bytes}")
+        if self.health_interval_s <= 0:
+            raise ValueError(f"--health-interval-s must be positive, got {self.health_interval_s}")
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return [u.strip() for u in self.engines.split(",") if u.strip()]
+
+    @property
+    def api_key_list(self) -> list[str]:
+        return [k.strip() for k in self.api_keys.split(",") if k.strip()]
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class BodySizeLimit:
+    """Pure ASGI middleware: 413 for a body over ``limit`` bytes (Content-Length or counted while read)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await _send_json(send, 413, _too_large(self.limit))
+        seen = 0
+
+        async def counting_receive():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise BodyTooLarge()
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+
+def _too_large(limit: int) -> dict:
+    return _err(f"request body exceeds the gateway's limit of {limit} bytes (--max-body-bytes)",
+                "invalid_request_error", 413)
+
+
+async def _send_json(send, status: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
+
+
+def _err(message: str, type_: str, code: int | str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    parts, param = [], None
+    for e in errors[:5]:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        if e.get("type") == "json_invalid":
+            return f"request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}", None
+        where = ".".join(loc) or "body"
+        param = param or (where if loc else None)
+        parts.append(f"{where}: {e.get('msg')}")
+    return "; ".join(parts) or "invalid request", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def validation(_: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return JSONResponse(_err(message, "invalid_request_error", 400, param), 400)
+
+    @app.exception_handler(RequestError)
+    async def request_error(_: Request, exc: RequestError):
+        return JSONResponse(exc.body, exc.status)
+
+    @app.exception_handler(EngineError)
+    async def engine_error(_: Request, exc: EngineError):
+        return JSONResponse(exc.body, exc.status, headers=exc.headers)
+
+    @app.exception_handler(AuthError)
+    async def auth_error(_: Request, exc: AuthError):
+        return JSONResponse(exc.body, exc.status, headers=exc.headers)
+
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(request: Request, _: BodyTooLarge):
+        return JSONResponse(_too_large(request.app.state.config.max_body_bytes), 413)
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def bad_json(_: Request, exc: json.JSONDecodeError):
+        return JSONResponse(_err(f"request body is not valid JSON: {exc}", "invalid_request_error", 400), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException):
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(_err(str(exc.detail), type_, exc.status_code), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception):
+        log.exception("unhandled error")
+        return JSONResponse(_err(f"internal error: {type(exc).__name__}: {exc}", "server_error", 500), 500)
+
+
+def create_app(config: GatewayConfig, clients: list[EngineClient], on_startup=None,
+               before_metrics: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
+    """The gateway app over ``clients`` (HTTP engine clients, or the in-process one for `tandem serve`).
+    ``before_metrics`` runs before each /metrics scrape (`tandem serve`: export the engine's counters)."""
+    pool = EnginePool(clients, config.health_interval_s)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await pool.start()
+        if on_startup is not None:
+            await on_startup(app)
+        yield
+        await pool.close()
+
+    app = FastAPI(title="Tandem gateway", lifespan=lifespan)
+    app.state.config, app.state.pool = config, pool
+    app.state.api_key_guard = api_key_guard(config.api_key_list)
+    install_error_handlers(app)
+    app.add_middleware(PrometheusMiddleware)
+    app.add_middleware(BodySizeLimit, limit=config.max_body_bytes)
+    v1 = [Depends(app.state.api_key_guard)]
+
+    @app.get("/health")
+    async def health():
+        await pool.poll_once()
+        engines = [{"id": e.client.id, "url": e.client.url, "healthy": e.healthy, "health": e.health}
+                   for e in pool.engines]
+        healthy = [e for e in pool.engines if e.healthy]
+        if healthy:
+            first = healthy[0].health
+            return {"status": "ok", "maintenance": first.get("maintenance", "serving"), "engines": engines}
+        loading = [e for e in pool.engines if e.health.get("status") == "loading"]
+        if loading:
+            return JSONResponse({"status": "loading", "progress": loading[0].health.get("progress", {}),
+                                 "engines": engines}, 503)
+        failed = [e for e in pool.engines if e.health.get("maintenance") == "failed"]
+        body = {"status": "ok" if failed else "unavailable", "maintenance": "failed" if failed else None,
+                "engines": engines}
+        return JSONResponse(body, 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        if before_metrics is not None:
+            await before_metrics()
+        body, content_type = render_metrics()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models", dependencies=v1)
+    async def models():
+        cards = [ModelCard(id=mid, created=int(time.time()), max_model_len=e.info.get("max_seq_len"))
+                 for mid, e in pool.models().items()]
+        return ModelList(data=cards).model_dump()
+
+    @app.post("/v1/chat/completions", dependencies=v1)
+    async def chat(req: ChatCompletionRequest, request: Request):
+        request.state.model_name = req.model
+        return await serving_chat.create_chat_completion(pool, req, request.is_disconnected)
+
+    @app.post("/v1/completions", dependencies=v1)
+    async def completions(req: CompletionRequest, request: Request):
+        request.state.model_name = req.model
+        return await serving_completions.create_completion(pool, req, request.is_disconnected)
+
+    app.include_router(admin_router(pool, config.admin_token, config.redis_url, config.profiles_dir))
+    return app
+
+
+def build_parser(prog: str = "tandem gateway") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="The OpenAI-compatible gateway in front of one or "
+                                     "more Tandem engines (`tandem engine`).")
+    add_dataclass_arguments(parser, GatewayConfig)
+    parser.add_argument("--log-level", default=None, help="log level (default: TANDEM_LOG_LEVEL)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        config = dataclass_from_args(GatewayConfig, args)
+    except ValueError as exc:
+        print(f"tandem gateway: {exc}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    clients = [HttpEngineClient(url, engine_id=str(i)) for i, url in enumerate(config.engine_urls)]
+    app = create_app(config, clients)
+    log.info("gateway on http://%s:%d -> engines %s (API keys: %s, admin API: %s)", config.host, config.port,
+             ", ".join(config.engine_urls), "on" if config.api_key_list else "off",
+             "on" if config.admin_token else "off")
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=2)
+    return 0
+
+
+__all__ = ["GatewayConfig", "create_app", "main"]

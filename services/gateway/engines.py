@@ -1,0 +1,337 @@
+"""Engine clients and routing: the gateway's only way to reach an engine.
+
+- ``HttpEngineClient``: the engine's internal API over HTTP (httpx), generate as an NDJSON stream.
+- ``InProcessEngineClient``: the same calls on an ``Engine`` object in this process (`tandem serve`).
+- ``EnginePool``: several engines behind one gateway; picks the healthy engine serving the requested
+  model with the fewest outstanding requests; a background task polls /health so an engine that went
+  down is skipped (503 when none is left) and taken back once it answers again.
+
+Both clients raise ``EngineError`` (HTTP status + OpenAI error body) *before* the first output, so the
+gateway can still answer with a proper status code; a stream is closed with ``aclose()`` (aborting the
+request on the engine when it has not finished).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any, AsyncIterator, Protocol
+
+import httpx
+
+from services.common.logging import get_logger
+from services.common.tokenizer import Tokenizer
+from services.gateway.metrics import GatewayMetrics
+
+log = get_logger("gateway.engines")
+
+
+class EngineError(Exception):
+    """An engine refused a request or could not be reached: ``status`` and an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, type_: str = "server_error", headers: dict | None = None,
+                 param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
+        self.headers = headers or {}
+
+    @classmethod
+    def from_response(cls, status: int, body: Any, headers: dict) -> "EngineError":
+        err = body.get("error", {}) if isinstance(body, dict) else {}
+        keep = {k: v for k, v in headers.items() if k.lower() == "retry-after"}
+        return cls(status, err.get("message") or f"engine answered HTTP {status}", err.get("type") or "server_error",
+                   keep, err.get("param"))
+
+
+class GenerateStream(Protocol):
+    def __aiter__(self) -> AsyncIterator[dict]: ...
+    async def aclose(self) -> None: ...
+
+
+class EngineClient(Protocol):
+    id: str
+    url: str
+
+    async def health(self) -> dict: ...
+    async def info(self) -> dict: ...
+    async def stats(self) -> dict: ...
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: dict) -> GenerateStream: ...
+    async def abort(self, request_id: str) -> None: ...
+    async def reload_profile(self) -> dict: ...
+    async def close(self) -> None: ...
+
+
+# -- over HTTP ----------------------------------------------------------------------------------------
+class _HttpStream:
+    def __init__(self, response: httpx.Response):
+        self._response = response
+        self._finished = False
+
+    async def __aiter__(self):
+        try:
+            async for line in self._response.aiter_lines():
+                if line.strip():
+                    out = json.loads(line)
+                    self._finished = out.get("finish_reason") is not None
+                    yield out
+        except httpx.HTTPError as exc:
+            raise EngineError(502, f"engine stream broke: {exc}") from exc
+        if not self._finished:
+            raise EngineError(502, "engine closed the stream before the request finished")
+
+    async def aclose(self) -> None:
+        await self._response.aclose()  # closing the connection aborts the request on the engine
+
+
+class HttpEngineClient:
+    """One engine reached over HTTP at ``url`` (its API under /engine/v1)."""
+
+    def __init__(self, url: str, engine_id: str | None = None, timeout_s: float = 10.0):
+        self.url = url.rstrip("/")
+        self.id = engine_id or self.url
+        # generate streams may idle for a long time between tokens (queueing, prefill): no read timeout
+        self._client = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(timeout_s, read=None),
+                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self._timeout_s = timeout_s
+
+    async def _get(self, path: str) -> dict:
+        try:
+            r = await self._client.get(path, timeout=self._timeout_s)
+        except httpx.HTTPError as exc:
+            raise EngineError(503, f"engine {self.id} unreachable: {exc!r}", "service_unavailable") from exc
+        body = _json_or_none(r)
+        if r.status_code != 200 and not path.endswith("/health"):
+            raise EngineError.from_response(r.status_code, body, dict(r.headers))
+        return body or {}
+
+    async def health(self) -> dict:
+        return await self._get("/health")
+
+    async def info(self) -> dict:
+        return await self._get("/engine/v1/info")
+
+    async def stats(self) -> dict:
+        return await self._get("/engine/v1/stats")
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: dict) -> GenerateStream:
+        body = {"request_id": request_id, "prompt_token_ids": prompt_token_ids, "sampling": sampling}
+        try:
+            req = self._client.build_request("POST", "/engine/v1/generate", json=body)
+            r = await self._client.send(req, stream=True)
+        except httpx.HTTPError as exc:
+            raise EngineError(503, f"engine {self.id} unreachable: {exc!r}", "service_unavailable") from exc
+        if r.status_code != 200:
+            await r.aread()
+            await r.aclose()
+            raise EngineError.from_response(r.status_code, _json_or_none(r), dict(r.headers))
+        return _HttpStream(r)
+
+    async def abort(self, request_id: str) -> None:
+        try:
+            await self._client.post("/engine/v1/abort", json={"request_id": request_id}, timeout=self._timeout_s)
+        except httpx.HTTPError:
+            pass  # the engine is gone: nothing left to abort
+
+    async def reload_profile(self) -> dict:
+        try:
+            r = await self._client.post("/engine/v1/reload-profile", timeout=300)
+        except httpx.HTTPError as exc:
+            raise EngineError(503, f"engine {self.id} unreachable: {exc!r}", "service_unavailable") from exc
+        body = _json_or_none(r)
+        if r.status_code != 200:
+            raise EngineError.from_response(r.status_code, body, dict(r.headers))
+        return body
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def _json_or_none(r: httpx.Response) -> Any:
+    try:
+        return r.json()
+    except ValueError:
+        return None
+
+
+# -- in this process (`tandem serve`) -------------------------------------------------------------------
+class _InProcessStream:
+    def __init__(self, stream):
+        self._stream = stream
+
+    def __aiter__(self):
+        return self._stream.__aiter__()
+
+    async def aclose(self) -> None:
+        self._stream.abort()
+
+
+class InProcessEngineClient:
+    """The engine API's calls made directly on an ``services.engine.engine.Engine`` (no HTTP hop)."""
+
+    def __init__(self, engine, engine_id: str = "local"):
+        self.engine = engine
+        self.id = engine_id
+        self.url = "in-process"
+
+    async def health(self) -> dict:
+        return self.engine.health()
+
+    async def info(self) -> dict:
+        return self._call(self.engine.info)
+
+    async def stats(self) -> dict:
+        return await self.engine.stats()
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: dict) -> GenerateStream:
+        from services.engine.runtime.sampler import SamplingParams
+
+        def submit():
+            return self.engine.submit(request_id, prompt_token_ids, SamplingParams.from_dict(sampling))
+
+        return _InProcessStream(self._call(submit))
+
+    async def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    async def reload_profile(self) -> dict:
+        try:
+            return await self.engine.reload_profile()
+        except EngineError:
+            raise
+        except Exception as exc:
+            self._raise(exc)
+
+    async def close(self) -> None:
+        pass
+
+    def _call(self, fn):
+        try:
+            return fn()
+        except Exception as exc:
+            self._raise(exc)
+
+    @staticmethod
+    def _raise(exc: Exception):
+        from services.engine.engine import EngineNotReadyError, QueueFullError
+        from services.engine.runtime.scheduler import InvalidRequestError
+
+        if isinstance(exc, QueueFullError):
+            raise EngineError(429, str(exc), "rate_limit_error", {"Retry-After": "1"}) from exc
+        if isinstance(exc, EngineNotReadyError):
+            raise EngineError(503, str(exc), "service_unavailable", {"Retry-After": "5"}) from exc
+        if isinstance(exc, (InvalidRequestError, ValueError)):
+            raise EngineError(400, str(exc), "invalid_request_error") from exc
+        raise EngineError(500, f"engine error: {type(exc).__name__}: {exc}") from exc
+
+
+# -- routing -------------------------------------------------------------------------------------------
+class EngineState:
+    """What the pool knows about one engine."""
+
+    def __init__(self, client: EngineClient):
+        self.client = client
+        self.healthy = False
+        self.health: dict = {"status": "unknown"}
+        self.info: dict | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.outstanding = 0
+
+    @property
+    def model_id(self) -> str | None:
+        return self.info.get("model_id") if self.info else None
+
+
+class EnginePool:
+    """Least-outstanding-requests routing over engines, with background health polling."""
+
+    def __init__(self, clients: list[EngineClient], health_interval_s: float = 1.0):
+        if not clients:
+            raise ValueError("the gateway needs at least one engine (--engine URL or TANDEM_ENGINES)")
+        self.engines = [EngineState(c) for c in clients]
+        self.health_interval_s = health_interval_s
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.poll_once()
+        self._task = asyncio.create_task(self._poll_forever())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for e in self.engines:
+            await e.client.close()
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            try:
+                await self.poll_once()
+            except Exception:  # never let the poller die
+                log.exception("health poll failed")
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._check(e) for e in self.engines))
+
+    async def _check(self, e: EngineState) -> None:
+        try:
+            health = await e.client.health()
+        except EngineError as exc:
+            health = {"status": "down", "error": str(exc)}
+        ok = health.get("status") == "ok" and health.get("maintenance") in ("serving", "reloading")
+        if ok and (e.info is None or not e.healthy):  # (re)read info: a restarted engine may serve another model
+            try:
+                e.info = await e.client.info()
+                e.tokenizer = Tokenizer.from_info(e.info)
+            except (EngineError, ValueError) as exc:
+                log.warning("engine %s: cannot read its info: %s", e.client.id, exc)
+                ok = False
+        if ok != e.healthy:
+            log.info("engine %s is %s (%s)", e.client.id, "healthy" if ok else "unavailable",
+                     health.get("maintenance") or health.get("status"))
+        e.health, e.healthy = health, ok
+        GatewayMetrics.set_engine_health(e.client.id, ok)
+
+    def mark_down(self, e: EngineState, why: str) -> None:
+        if e.healthy:
+            log.warning("engine %s taken out of rotation: %s", e.client.id, why)
+        e.healthy = False
+        e.health = {"status": "down", "error": why}
+        GatewayMetrics.set_engine_health(e.client.id, False)
+
+    def models(self) -> dict[str, EngineState]:
+        """Known model ids -> one engine state holding its info (healthy or not)."""
+        out: dict[str, EngineState] = {}
+        for e in self.engines:
+            if e.model_id and (e.model_id not in out or e.healthy):
+                out[e.model_id] = e
+        return out
+
+    def pick(self, model: str) -> EngineState:
+        """The healthy engine serving ``model`` with the fewest outstanding requests.
+
+        Raises EngineError 404 for a model no engine ever served (when every engine has been seen),
+        503 when the model's engines are all unavailable."""
+        known = self.models()
+        if model not in known:
+            if all(e.info is not None for e in self.engines):
+                raise EngineError(404, f"The model `{model}` does not exist (served: {', '.join(known) or 'none'})",
+                                  "invalid_request_error", param="model")
+            raise EngineError(503, f"no engine is available to serve `{model}` (engines down or loading)",
+                              "service_unavailable", {"Retry-After": "5"})
+        candidates = [e for e in self.engines if e.healthy and e.model_id == model]
+        if not candidates:
+            raise EngineError(503, f"every engine serving `{model}` is unavailable; retry later",
+                              "service_unavailable", {"Retry-After": "5"})
+        return min(candidates, key=lambda e: e.outstanding)
+
+    def by_id(self, engine_id: str) -> EngineState | None:
+        for i, e in enumerate(self.engines):
+            if engine_id in (e.client.id, str(i)):
+                return e
+        return None
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex

@@ -1,0 +1,191 @@
+"""One text generation through an engine: token ids from the engine -> text deltas for the client.
+
+Shared by chat and completions: builds the engine's ``sampling`` object (request values, else the
+model's generation_config defaults), routes to an engine, detokenizes incrementally, applies stop
+strings (never streaming any part of one) and counts usage. Aborts the engine request when the client
+goes away or a stop string matched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from services.common.logging import get_logger
+from services.common.tokenizer import StopStringMatcher
+from services.gateway.engines import EngineError, EnginePool, EngineState, new_request_id
+from services.gateway.metrics import GatewayMetrics
+
+log = get_logger("gateway.generation")
+
+
+class RequestError(Exception):
+    """A client error found by the gateway (HTTP 400 unless told): OpenAI error body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status = status
+        self.body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
+
+
+@dataclass
+class Delta:
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass
+class Generation:
+    """The state of one request while it streams (usage is final once a finish_reason was yielded)."""
+
+    engine: EngineState
+    prompt_token_ids: list[int]
+    sampling: dict
+    stop: list[str]
+    request_id: str = field(default_factory=new_request_id)
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    text: str = ""
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+def sampling_from_request(req, engine: EngineState, max_tokens: int | None) -> dict:
+    """The engine's sampling object: request values first, then generation_config's defaults."""
+    if (req.n or 1) != 1:
+        raise RequestError("n > 1 is not supported; send n separate requests", "n")
+    if getattr(req, "best_of", None) not in (None, 1):
+        raise RequestError("best_of > 1 is not supported", "best_of")
+    if req.logprobs:
+        raise RequestError("logprobs are not supported", "logprobs")
+    for name in ("frequency_penalty", "presence_penalty", "logit_bias"):
+        if getattr(req, name, None):  # None / 0 / {} are the neutral values clients send by default
+            raise RequestError(f"{name} is not supported (leave it unset or neutral)", name)
+    gen_cfg = (engine.info or {}).get("generation_config") or {}
+    temperature = req.temperature if req.temperature is not None else gen_cfg.get("temperature", 1.0)
+    if not gen_cfg.get("do_sample", True) and req.temperature is None:
+        temperature = 0.0
+    top_p = req.top_p if req.top_p is not None else gen_cfg.get("top_p", 1.0)
+    top_k = req.top_k if req.top_k is not None else gen_cfg.get("top_k", -1)
+    if max_tokens is None:  # chat without a limit: what is left of the context (as vLLM does)
+        max_tokens = int((engine.info or {}).get("max_seq_len", 0))
+    return {"max_tokens": max_tokens, "temperature": float(temperature), "top_p": float(top_p),
+            "top_k": int(top_k) if top_k else -1, "seed": req.seed, "ignore_eos": bool(req.ignore_eos),
+            "stop_token_ids": []}
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > 4:
+        raise RequestError("stop may hold at most 4 sequences", "stop")
+    return [s for s in stops if s]
+
+
+def fit_max_tokens(engine: EngineState, prompt_len: int, max_tokens: int | None, explicit: bool) -> int:
+    """max_tokens for the engine: an implicit limit shrinks to the context left; an explicit one that
+    does not fit is refused with a message naming the model's limit."""
+    limit = int((engine.info or {}).get("max_seq_len", 0))
+    if max_tokens is None or (not explicit and prompt_len + max_tokens > limit):
+        max_tokens = limit - prompt_len
+    if max_tokens < 1 or prompt_len + max_tokens > limit:
+        raise RequestError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + max(max_tokens, 0)} tokens ({prompt_len} in the prompt, {max(max_tokens, 0)} for the "
+            f"completion). Please reduce the length of the prompt or max_tokens.", "max_tokens")
+    return max_tokens
+
+
+async def start(pool: EnginePool, gen: Generation):
+    """Send the request to its engine; raises EngineError (429/400/503...) before anything streams.
+    An engine that cannot be reached (503) is taken out of rotation and the request goes to the next
+    healthy engine serving the model, if any."""
+    model = gen.engine.model_id
+    for _ in range(len(pool.engines)):
+        engine = gen.engine
+        engine.outstanding += 1  # before the first await: concurrent requests picked next see it
+        GatewayMetrics.set_engine_outstanding(engine.client.id, engine.outstanding)
+        try:
+            return await engine.client.generate(gen.request_id, gen.prompt_token_ids, gen.sampling)
+        except BaseException as exc:
+            engine.outstanding -= 1
+            GatewayMetrics.set_engine_outstanding(engine.client.id, engine.outstanding)
+            if not (isinstance(exc, EngineError) and exc.status == 503):
+                raise
+            pool.mark_down(engine, str(exc))
+            gen.engine = pool.pick(model)  # raises 503 when no healthy engine is left
+            same_tokenizer = gen.engine.info.get("tokenizer_json") == engine.info.get("tokenizer_json")
+            if gen.engine.tokenizer is None or not same_tokenizer:
+                raise  # another tokenizer: the prompt ids would not mean the same text
+    raise EngineError(503, f"no engine could take the request for `{model}`", "service_unavailable",
+                      {"Retry-After": "5"})
+
+
+async def deltas(gen: Generation, stream) -> AsyncIterator[Delta]:
+    """Text deltas of a started generation; the last one carries the finish_reason. Closing this
+    iterator early (client gone) closes the engine stream, which aborts the request there."""
+    engine = gen.engine
+    detok = engine.tokenizer.detokenizer(skip_special_tokens=True)
+    stops = StopStringMatcher(gen.stop)
+    try:
+        async for out in stream:
+            ids = out.get("token_ids", [])
+            gen.completion_tokens = out.get("completion_tokens", gen.completion_tokens + len(ids))
+            finish = out.get("finish_reason")
+            if finish == "stop" and out.get("stop_token_id") is not None and ids:
+                ids = ids[:-1]  # the EOS/stop token ends the text, it is not part of it
+            delta, matched = stops.feed(detok.add_many(ids))
+            if not matched and finish is not None:
+                if finish == "abort":
+                    raise EngineError(500, out.get("error") or "the engine aborted the request")
+                tail, matched = stops.feed(detok.finish())
+                delta += tail if matched else tail + stops.flush()
+            if matched:
+                finish = "stop"
+            if finish is not None:
+                gen.finish_reason = finish
+                gen.text += delta
+                log.debug("request %s on engine %s: %d prompt + %d completion tokens, finish %s", gen.request_id,
+                          engine.client.id, gen.prompt_tokens, gen.completion_tokens, finish)
+                yield Delta(delta, finish)
+                return
+            if delta:
+                gen.text += delta
+                yield Delta(delta)
+    finally:
+        engine.outstanding -= 1
+        GatewayMetrics.set_engine_outstanding(engine.client.id, engine.outstanding)
+        await stream.aclose()
+
+
+async def complete(gen: Generation, stream, is_disconnected=None, poll_s: float = 0.5) -> bool:
+    """Run a non-streamed generation to its end (True), or abort it when the client is gone (False).
+    ``is_disconnected`` (an async callable, e.g. Starlette's ``request.is_disconnected``) is polled so
+    that a client that gave up does not leave the engine decoding to max_tokens."""
+    async def drain():
+        async for _ in deltas(gen, stream):
+            pass
+
+    task = asyncio.ensure_future(drain())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                task.result()  # re-raises an EngineError of the stream
+                return True
+            if is_disconnected is not None and await is_disconnected():
+                log.info("client gone before the end of request %s: aborting it", gen.request_id)
+                return False
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

@@ -1,0 +1,271 @@
+"""`make run`: the docker-compose topology as local processes, for machines without Docker.
+
+    redis-server ─ worker (celery, --pool solo) ─ engine (tandem engine) ─ gateway (tandem gateway)
+    └─ Prometheus (when installed) scraping engine, gateway and worker
+
+Each service logs to ``runs/stack-<time>/<service>.log``; a port already in use is named before anything
+starts; Ctrl-C (or SIGTERM) stops every process, and so does any one of them dying. Flags after the
+stack's own go to the engine (``python -m services.local_stack --moe-backend hybrid``).
+
+The Prometheus config is the compose one (deploy/prometheus/prometheus.yml) with this stack's targets
+written to targets.json beside it: one source, no near-duplicate config (``write_prometheus_config``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from services.common.logging import get_logger, setup_logging
+from services.common.settings import add_dataclass_arguments, dataclass_from_args, field
+
+log = get_logger("local_stack")
+REPO = Path(__file__).resolve().parents[1]
+PROMETHEUS_SOURCE = REPO / "deploy" / "prometheus"
+SERVICES = ("redis", "worker", "engine", "gateway", "prometheus")  # start order; stop is the reverse
+
+
+@dataclass
+class StackConfig:
+    model: str = field(env="TANDEM_MODEL", help="what the engine serves (checkpoint dir, 'demo', 'synthetic:NAME')")
+    device: str = field("cpu", help="engine compute device (cpu or cuda)")
+    port: int = field(8000, help="gateway port (the OpenAI API)")
+    engine_port: int = field(8001, help="engine port (internal API)")
+    redis_port: int = field(6379, help="redis-server port (Celery broker and backend)")
+    worker_metrics_port: int = field(9101, help="profiling worker's Prometheus port")
+    prometheus_port: int = field(9090, help="Prometheus port (skipped when prometheus is not installed)")
+    scrape_interval: str = field("5s", help="Prometheus scrape and rule interval")
+    services: str = field(",".join(SERVICES), help="comma-separated subset of the services to start")
+    runs_dir: str = field("runs", help="where the per-run log directory is made")
+    ready_timeout: float = field(900.0, help="seconds each service may take to become ready")
+
+
+def write_prometheus_config(dst: Path, ports: dict[str, int], scrape_interval: str = "15s",
+                            host: str = "127.0.0.1") -> Path:
+    """Copy deploy/prometheus's config and rules into ``dst`` with targets.json for ``ports`` (job name
+    -> port on ``host``) and the given scrape/evaluation interval. Returns the config path."""
+    dst.mkdir(parents=True, exist_ok=True)
+    text = (PROMETHEUS_SOURCE / "prometheus.yml").read_text()
+    for key in ("scrape_interval", "evaluation_interval"):
+        text, count = re.subn(rf"(?m)^(\s+{key}:\s*)\S+", rf"\g<1>{scrape_interval}", text)
+        if count != 1:
+            raise ValueError(f"{PROMETHEUS_SOURCE / 'prometheus.yml'}: expected one global {key}, found {count}")
+    (dst / "prometheus.yml").write_text(text)
+    shutil.copy(PROMETHEUS_SOURCE / "rules.yml", dst / "rules.yml")
+    groups = [{"targets": [f"{host}:{port}"], "labels": {"job": job}} for job, port in ports.items()]
+    (dst / "targets.json").write_text(json.dumps(groups, indent=2) + "\n")
+    return dst / "prometheus.yml"
+
+
+class PortTaken(RuntimeError):
+    pass
+
+
+def check_ports(ports: dict[str, int]) -> None:
+    """Raise ``PortTaken`` naming every service whose port is already bound on this host."""
+    taken = []
+    for service, port in ports.items():
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                taken.append(f"port {port} ({service}) is taken")
+    if taken:
+        flags = "--port, --engine-port, --redis-port, --worker-metrics-port, --prometheus-port"
+        raise PortTaken("; ".join(taken) + f". Stop what uses it (`ss -ltnp`) or pick another port ({flags}).")
+
+
+class Stack:
+    """Start, watch and stop the services of one ``StackConfig``; a context manager."""
+
+    def __init__(self, config: StackConfig, engine_args: list[str] | None = None, env: dict | None = None):
+        self.config = config
+        self.engine_args = list(engine_args or [])
+        self.wanted = [s.strip() for s in config.services.split(",") if s.strip()]
+        unknown = set(self.wanted) - set(SERVICES)
+        if unknown:
+            raise ValueError(f"--services: unknown {sorted(unknown)}; choose from {', '.join(SERVICES)}")
+        if "prometheus" in self.wanted and shutil.which("prometheus") is None:
+            log.warning("prometheus is not installed: starting the stack without it (apt-get install prometheus)")
+            self.wanted.remove("prometheus")
+        self.run_dir = Path(config.runs_dir) / time.strftime("stack-%Y%m%d-%H%M%S")
+        self.env = dict(os.environ if env is None else env)
+        self.env.update({
+            "TANDEM_REDIS_URL": f"redis://127.0.0.1:{config.redis_port}/0",
+            "TANDEM_ENGINES": f"http://127.0.0.1:{config.engine_port}",
+            "TANDEM_WORKER_METRICS_PORT": str(config.worker_metrics_port),
+            "PYTHONUNBUFFERED": "1",
+        })
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def ports(self) -> dict[str, int]:
+        c = self.config
+        every = {"redis": c.redis_port, "worker": c.worker_metrics_port, "engine": c.engine_port,
+                 "gateway": c.port, "prometheus": c.prometheus_port}
+        return {s: every[s] for s in self.wanted}
+
+    def command(self, service: str) -> list[str]:
+        c, py = self.config, sys.executable
+        if service == "redis":
+            return ["redis-server", "--port", str(c.redis_port), "--bind", "127.0.0.1", "--save", "",
+                    "--appendonly", "no"]
+        if service == "worker":  # --pool solo: job metrics live in the process serving /metrics
+            return [py, "-m", "celery", "-A", "services.profiler.app", "worker", "--pool", "solo",
+                    "--loglevel", "INFO", "--hostname", f"tandem-local-{c.worker_metrics_port}@%h"]
+        if service == "engine":
+            return [py, "-m", "services.cli", "engine", "--model", c.model, "--device", c.device,
+                    "--host", "127.0.0.1", "--port", str(c.engine_port), *self.engine_args]
+        if service == "gateway":  # engine URLs via TANDEM_ENGINES
+            return [py, "-m", "services.cli", "gateway", "--host", "127.0.0.1", "--port", str(c.port)]
+        scrape = {job: port for job, port in self.ports().items() if job in ("engine", "gateway", "worker")}
+        config = write_prometheus_config(self.run_dir / "prometheus", scrape, c.scrape_interval)
+        return ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={self.run_dir / 'prometheus' / 'data'}",
+                f"--web.listen-address=127.0.0.1:{c.prometheus_port}"]
+
+    def ready(self, service: str) -> bool:
+        """One readiness probe: redis PONG, engine/gateway /health status ok, worker/prometheus answering."""
+        port = self.ports()[service]
+        try:
+            if service == "redis":
+                with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
+                    sock.sendall(b"PING\r\n")
+                    return sock.recv(16).startswith(b"+PONG")
+            path = {"worker": "/metrics", "prometheus": "/-/ready"}.get(service, "/health")
+            resp = httpx.get(f"http://127.0.0.1:{port}{path}", timeout=5)
+            if resp.status_code != 200:
+                return False
+            return path != "/health" or resp.json().get("status") == "ok"
+        except (OSError, httpx.HTTPError, ValueError):
+            return False
+
+    def start(self) -> None:
+        """Start every wanted service in order, each ready before the next; raises on any failure."""
+        check_ports(self.ports())
+        if "redis" in self.wanted and shutil.which("redis-server") is None:
+            raise RuntimeError("redis-server is not installed (apt-get install redis-server), or leave it out "
+                               "with --services")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        log.info("logs in %s", self.run_dir)
+        for service in self.wanted:
+            logfile = open(self.run_dir / f"{service}.log", "wb")
+            # New session: Ctrl-C in the terminal reaches only this process, which then stops the
+            # services in reverse order (the gateway before the engine it talks to).
+            self.procs[service] = subprocess.Popen(self.command(service), stdout=logfile, stderr=subprocess.STDOUT,
+                                                   env=self.env, cwd=REPO, start_new_session=True)
+            logfile.close()
+            self._wait_ready(service)
+            log.info("%-10s ready on port %d (log %s)", service, self.ports()[service],
+                     self.run_dir / f"{service}.log")
+
+    def _wait_ready(self, service: str) -> None:
+        deadline = time.monotonic() + self.config.ready_timeout
+        while not self.ready(service):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{service} not ready after {self.config.ready_timeout:.0f} s; "
+                                   f"see {self.run_dir / (service + '.log')}\n{self.log_tail(service)}")
+            time.sleep(0.5)
+
+    def check_alive(self) -> None:
+        """Raise naming the first service that exited, with the end of its log."""
+        for service, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{service} exited with code {proc.returncode}; "
+                                   f"{self.run_dir / (service + '.log')} ends with:\n{self.log_tail(service)}")
+
+    def log_tail(self, service: str, lines: int = 30) -> str:
+        path = self.run_dir / f"{service}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM each service's process group in reverse start order; SIGKILL what outlives ``grace``."""
+        for service in reversed(list(self.procs)):
+            proc = self.procs[service]
+            if proc.poll() is None:
+                _signal_group(proc, signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                log.warning("%s ignored SIGTERM for %.0f s; killing it", service, grace)
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+            _signal_group(proc, signal.SIGKILL)  # leftovers of the group (worker children, ...)
+        self.procs.clear()
+
+    def __enter__(self) -> "Stack":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class _Stop(BaseException):  # not Exception: no `except Exception` on the way may swallow it
+    pass
+
+
+def _raise_stop(signum, frame) -> None:
+    raise _Stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.local_stack", description=__doc__.split("\n\n")[0],
+                                     epilog="Other flags are passed to `tandem engine` (e.g. --moe-backend hybrid).")
+    add_dataclass_arguments(parser, StackConfig)
+    args, engine_args = parser.parse_known_args(argv)
+    setup_logging()
+    config = dataclass_from_args(StackConfig, args)
+    # Explicit handlers: a shell starting us in the background leaves SIGINT ignored, which would
+    # make Ctrl-C / `kill -INT` a no-op.
+    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, _raise_stop)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness probe otherwise
+    stack = Stack(config, engine_args)
+    try:
+        stack.start()
+        urls = {"gateway": f"http://127.0.0.1:{config.port}/v1", "prometheus": f"http://127.0.0.1:{config.prometheus_port}"}
+        shown = ", ".join(f"{s} {u}" for s, u in urls.items() if s in stack.wanted)
+        log.info("stack ready: %s; Ctrl-C stops everything", shown or ", ".join(stack.wanted))
+        while True:
+            stack.check_alive()
+            time.sleep(0.5)
+    except PortTaken as exc:
+        log.error("%s", exc)
+        return 2
+    except (KeyboardInterrupt, _Stop):  # Ctrl-C, kill -INT, kill -TERM
+        log.info("stopping %s", ", ".join(reversed(list(stack.procs))))
+        return 0
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        return 1
+    finally:
+        stack.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""`tandem serve`: the gateway and the engine in one process (the single-machine default).
+
+The gateway reaches the engine through the in-process client (no HTTP hop); flags are EngineConfig's
+plus the gateway's (--host/--port are the gateway's, default 8000; --api-key). The model loads in the
+background: /health says "loading" with progress until it serves, then a ready-to-paste curl is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+
+from services.common.logging import get_logger, setup_logging
+from services.common.settings import add_dataclass_arguments, dataclass_from_args
+from services.engine.config import EngineConfig
+from services.gateway.app import GatewayConfig, create_app
+
+log = get_logger("serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem serve", description="Serve a MoE model with the OpenAI API: "
+                                     "gateway + engine in one process.")
+    add_dataclass_arguments(parser, EngineConfig, skip=("host", "port"))
+    add_dataclass_arguments(parser, GatewayConfig, skip=("engines",))
+    parser.add_argument("--log-level", default=None,
+                        help="DEBUG logs each request's summary (default: TANDEM_LOG_LEVEL)")
+    return parser
+
+
+def curl_example(host: str, port: int, model_id: str, api_key: str | None) -> str:
+    """A ready-to-paste chat request against this server."""
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    body = json.dumps({"model": model_id, "messages": [{"role": "user", "content": "Hello! Who are you?"}],
+                       "max_tokens": 32})
+    auth = f" \\\n  -H {shlex.quote('Authorization: Bearer ' + api_key)}" if api_key else ""
+    return (f"curl http://{shown}:{port}/v1/chat/completions \\\n  -H 'Content-Type: application/json'{auth} \\\n"
+            f"  -d {shlex.quote(body)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        engine_cfg = dataclass_from_args(EngineConfig, args)
+        gateway_cfg = dataclass_from_args(GatewayConfig, args, engines="in-process")
+    except ValueError as exc:
+        print(f"tandem serve: {exc}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from fastapi import Depends
+
+    from services.engine.api import create_router
+    from services.engine.engine import Engine
+    from services.gateway.engines import InProcessEngineClient
+
+    keys = gateway_cfg.api_key_list
+
+    def ready() -> None:
+        model_id = engine.loaded.model_id
+        print(f"\nTandem is serving {model_id} (backend {engine_cfg.moe_backend.value}) on "
+              f"http://{gateway_cfg.host}:{gateway_cfg.port}. Try:\n\n"
+              f"{curl_example(gateway_cfg.host, gateway_cfg.port, model_id, keys[0] if keys else None)}\n", flush=True)
+
+    engine = Engine(engine_cfg, on_ready=ready)
+    app = create_app(gateway_cfg, [InProcessEngineClient(engine)], before_metrics=engine.refresh_metrics)
+    # The engine's own API (/engine/v1/info, /stats, ...) on the same port, behind the same API keys:
+    # benchmarks and operators read engine stats from a single-process server too.
+    app.include_router(create_router(engine, dependencies=[Depends(app.state.api_key_guard)]))
+    engine.start()
+    log.info("gateway on http://%s:%d; loading %s in the background (GET /health for progress)",
+             gateway_cfg.host, gateway_cfg.port, engine_cfg.model)
+    try:
+        uvicorn.run(app, host=gateway_cfg.host, port=gateway_cfg.port, log_level="warning",
+                    timeout_graceful_shutdown=2)
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,112 @@
+"""docker-compose.yml validates with Debian's docker-compose v1 (`config -q`) and with dclint (current
+Compose spec), and wires the topology the README promises."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE = REPO / "docker-compose.yml"
+DCLINT_VERSION = "3.1.0"
+DCLINT_DIR = REPO / ".cache" / "dclint"  # gitignored; the test installs dclint here once
+
+
+def dclint() -> Path:
+    binary = DCLINT_DIR / "node_modules" / ".bin" / "dclint"
+    if not binary.exists():
+        npm = shutil.which("npm")
+        assert npm, "npm is needed to install dclint (apt-get install npm)"
+        subprocess.run([npm, "install", "--prefix", str(DCLINT_DIR), "--no-audit", "--no-fund",
+                        "--loglevel=error", f"dclint@{DCLINT_VERSION}"], check=True, timeout=300)
+    return binary
+
+
+def run_dclint(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(dclint()), "-c", str(REPO / "docker" / "dclint.yml"), "--max-warnings", "0",
+                           "--color", "false", str(path)], capture_output=True, text=True, timeout=120)
+
+
+def compose_config(path: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    assert shutil.which("docker-compose"), "docker-compose (v1) missing: scripts/setup-system.sh installs it"
+    return subprocess.run(["docker-compose", "-f", str(path), "config", "-q"], capture_output=True, text=True,
+                          cwd=path.parent, env=env, timeout=60)
+
+
+def test_docker_compose_v1_config():
+    result = compose_config(COMPOSE)
+    assert result.returncode == 0, result.stderr
+
+
+def test_docker_compose_config_with_env_example(tmp_path):
+    # .env.example must stay a valid .env: copy both and let compose interpolate.
+    shutil.copy(COMPOSE, tmp_path / "docker-compose.yml")
+    shutil.copy(REPO / ".env.example", tmp_path / ".env")
+    result = compose_config(tmp_path / "docker-compose.yml")
+    assert result.returncode == 0, result.stderr
+
+
+def test_dclint():
+    result = run_dclint(COMPOSE)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dclint_can_fail(tmp_path):
+    bad = tmp_path / "docker-compose.yml"
+    bad.write_text("services:\n  web:\n    image: nginx\n    build: .\n")
+    result = run_dclint(bad)
+    assert result.returncode != 0 and "no-build-and-image" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def services() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())["services"]
+
+
+def test_topology(services):
+    assert set(services) == {"redis", "engine", "worker", "gateway", "prometheus", "grafana"}
+    for gpu_service in ("engine", "worker"):
+        devices = services[gpu_service]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["capabilities"] == ["gpu"]
+    # Same GPU for both: the worker measures what the engine will see.
+    assert services["engine"]["deploy"] == services["worker"]["deploy"]
+    assert any(v.startswith("profiles:/profiles") for v in services["engine"]["volumes"])
+    assert "profiles:/profiles" in services["worker"]["volumes"]
+    for name, svc in services.items():
+        assert "healthcheck" in svc, f"service {name} has no healthcheck"
+        for dep, cond in (svc.get("depends_on") or {}).items():
+            assert cond == {"condition": "service_healthy"}, f"{name} -> {dep}"
+    assert services["gateway"]["environment"]["TANDEM_ENGINES"] == "http://engine:8001"
+
+
+def test_env_example_documents_every_variable():
+    import re
+
+    code = "\n".join(line for line in COMPOSE.read_text().splitlines() if not line.lstrip().startswith("#"))
+    used = set(re.findall(r"\$\{([A-Z_]+):-", code))
+    assert {"TANDEM_MODEL", "TANDEM_MODELS_DIR", "TANDEM_GPU"} <= used
+    documented = {line.split("=", 1)[0] for line in (REPO / ".env.example").read_text().splitlines()
+                  if "=" in line and not line.startswith("#")}
+    assert used <= documented, f"not in .env.example: {sorted(used - documented)}"
+
+
+def test_engine_flags_are_accepted_by_the_engine(services):
+    """The compose engine command, with every ${VAR:-default} at its default, parses with the engine's
+    own flags and names a backend this build has."""
+    import re
+
+    from services.engine.config import EngineConfig
+    from services.engine.moe import backends
+    from services.common.settings import dataclass_from_args
+    from services.engine.api import build_parser
+
+    command = [re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(word)) for word in services["engine"]["command"]]
+    assert command[:2] == ["tandem", "engine"]
+    config = dataclass_from_args(EngineConfig, build_parser().parse_args(command[2:]))
+    for module in backends._BACKEND_MODULES:
+        __import__(module)
+    assert config.moe_backend in backends.BACKENDS, f"compose default backend {config.moe_backend.value} missing"

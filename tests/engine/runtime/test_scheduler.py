@@ -1,0 +1,86 @@
+"""Scheduler alone (no model): admission into slots, batch layout, stop rules, aborts, limits."""
+
+import pytest
+
+from services.engine.runtime.sampler import SamplingParams
+from services.engine.runtime.scheduler import (InvalidRequestError, QueueFullError, Request, RequestTooLongError,
+                                               Scheduler)
+
+EOS = 2
+
+
+def _req(rid, prompt, outputs, **params):
+    return Request(rid, list(prompt), SamplingParams(temperature=0, **params), outputs.setdefault(rid, []).append)
+
+
+def test_batch_layout_prefill_then_decode_and_slot_reuse():
+    s, outs = Scheduler(max_running=2, max_waiting=8, max_seq_len=64, eos_token_ids=[EOS]), {}
+    for rid, prompt in (("a", [5, 6, 7]), ("b", [8, 9]), ("c", [10])):
+        s.add(_req(rid, prompt, outs, max_tokens=2))
+    b = s.schedule()  # a and b admitted (2 slots), c waits
+    assert [r.request_id for r in b.requests] == ["a", "b"] and b.num_prefill == 2
+    assert b.input_ids == [5, 6, 7, 8, 9] and b.positions == [0, 1, 2, 0, 1]
+    assert b.slots == [0, 1] and b.start_pos == [0, 0] and b.query_lens == [3, 2]
+    s.postprocess(b, [11, 12])
+    b = s.schedule()  # decode only: the last sampled token at its position
+    assert b.num_prefill == 0 and b.input_ids == [11, 12] and b.positions == [3, 2] and b.start_pos == [3, 2]
+    s.postprocess(b, [13, 14])  # max_tokens=2 reached: both finish, slots free
+    assert outs["a"][-1]["finish_reason"] == "length" and outs["a"][-1]["completion_tokens"] == 2
+    b = s.schedule()
+    assert [r.request_id for r in b.requests] == ["c"] and b.slots[0] in (0, 1)
+    assert s.stats()["waiting"] == 0 and s.stats()["kv_slots_used"] == 1
+
+
+def test_eos_stops_unless_ignored_and_stop_token_ids():
+    s, outs = Scheduler(3, 8, 64, [EOS]), {}
+    s.add(_req("eos", [5], outs, max_tokens=5))
+    s.add(_req("ignore", [5], outs, max_tokens=5, ignore_eos=True))
+    s.add(_req("custom", [5], outs, max_tokens=5, stop_token_ids=[9]))
+    b = s.schedule()
+    s.postprocess(b, [EOS, EOS, 9])
+    assert outs["eos"][-1]["finish_reason"] == "stop" and outs["eos"][-1]["stop_token_id"] == EOS
+    assert outs["ignore"][-1]["finish_reason"] is None
+    assert outs["custom"][-1]["finish_reason"] == "stop" and outs["custom"][-1]["stop_token_id"] == 9
+    assert [r.request_id for r in s.running] == ["ignore"]
+
+
+def test_abort_frees_slot_from_running_and_waiting():
+    s, outs = Scheduler(1, 8, 64, [EOS]), {}
+    s.add(_req("run", [5, 6], outs, max_tokens=10))
+    s.add(_req("wait", [7], outs, max_tokens=10))
+    s.postprocess(s.schedule(), [3])
+    assert s.abort("wait") is not None and outs["wait"][-1]["finish_reason"] == "abort"
+    assert s.abort("run") is not None and outs["run"][-1] == {"token_ids": [], "finish_reason": "abort",
+                                                              "prompt_tokens": 2, "completion_tokens": 1}
+    assert s.abort("run") is None
+    assert s.stats()["kv_slots_used"] == 0 and not s.has_work()
+
+
+def test_limits():
+    s, outs = Scheduler(1, 1, 16, [EOS]), {}
+    with pytest.raises(RequestTooLongError, match="--max-seq-len 16"):
+        s.add(_req("long", [1] * 10, outs, max_tokens=7))
+    with pytest.raises(InvalidRequestError):
+        s.add(_req("empty", [], outs, max_tokens=1))
+    s.add(_req("one", [1], outs, max_tokens=1))
+    with pytest.raises(QueueFullError):
+        s.add(_req("two", [1], outs, max_tokens=1))
+
+
+def test_sequence_ends_at_max_seq_len():
+    s, outs = Scheduler(1, 1, 8, [EOS]), {}
+    s.add(_req("a", [1] * 6, outs, max_tokens=2))
+    s.postprocess(s.schedule(), [3])
+    s.postprocess(s.schedule(), [4])
+    assert outs["a"][-1]["finish_reason"] == "length" and not s.has_work()
+
+
+def test_backend_stats_flattened_for_metrics():
+    from services.engine.reports import flat_backend_stats
+
+    raw = {"backend": "hybrid", "cache": {"hits": 3, "misses": 2, "fetched": 1, "cpu_computed": 1},
+           "bandwidth_bytes_per_second": {"pcie": 5e10, "cpu": 7e10}, "fetch_fraction": 0.4}
+    flat = flat_backend_stats(raw)
+    assert (flat["hits"], flat["misses"], flat["fetched"], flat["cpu_computed"]) == (3, 2, 1, 1)
+    assert flat["pcie_bytes_per_second"] == 5e10 and flat["cpu_bytes_per_second"] == 7e10
+    assert flat["cache"] == raw["cache"] and flat["fetch_fraction"] == 0.4
