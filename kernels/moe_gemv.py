@@ -10,7 +10,7 @@ bank, with ``e`` loaded on the device: no host sync, fixed grid, capturable in a
 
     act[r, :] = silu(gate_up[e_r, :I] @ x_t) * (gate_up[e_r, I:] @ x_t)          kernel 1, fp32
     y[r, :]   = w_r * (down[e_r] @ act[r])                                        kernel 2, fp32
-    out[t, :] = sum over the A routes of token t of y                             torch, [T, A, D] -> [T, D]
+    out[t, :] = sum over the A routes of token t of y, cast to hidden's dtype     kernel 3
 
 Routes with e_r < 0 (computed elsewhere, e.g. by the CPU in hybrid mode) write zeros.
 The reference is ``services.engine.moe.reference.moe_reference``; tests/kernels/test_moe_gemv.py.
@@ -27,6 +27,8 @@ import triton.language as tl
 BLOCK_I, BLOCK_K1 = 16, 256
 # Kernel 2 programs: (route, BLOCK_D output rows), each reading BLOCK_D x I weights.
 BLOCK_D, BLOCK_K2 = 32, 256
+# Combine programs: (token, BLOCK_C outputs), each summing A fp32 rows (tiny: T*A*D*4 bytes in all).
+BLOCK_C = 256
 
 
 @triton.jit
@@ -91,6 +93,22 @@ def _down_kernel(
     tl.store(y_ptr + r * stride_y + offs_d, acc, mask=mask_d)
 
 
+@triton.jit
+def _combine_kernel(
+    y_ptr, out_ptr,
+    A, D,
+    stride_y, stride_out,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < D
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for a in range(0, A):  # in route order, like the [T, A, D] sum of the reference
+        acc += tl.load(y_ptr + (t * A + a) * stride_y + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + t * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def moe_gemv(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
              gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """hidden [T, D] · topk_ids [T, A] int (-1 = skip) · topk_weights [T, A] · gate_up [E, 2I, D] ·
@@ -122,4 +140,8 @@ def moe_gemv(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         act.stride(0), down.stride(0), down.stride(1), y.stride(0),
         BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K2,
     )
-    return y.view(T, A, D).sum(dim=1).to(hidden.dtype)  # [T, D]
+    out = torch.empty((T, D), dtype=hidden.dtype, device=hidden.device)  # [T, D]
+    _combine_kernel[(T, triton.cdiv(D, BLOCK_C))](  # sum over the A routes + cast: one launch, not two
+        y, out, A, D, y.stride(0), out.stride(0), BLOCK=BLOCK_C,
+    )
+    return out

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from services.common.logging import get_logger, setup_logging
-from services.common.settings import add_dataclass_arguments, dataclass_from_args, field
+from services.common.settings import add_dataclass_arguments, dataclass_from_args, env_list, field
 
 log = get_logger("local_stack")
 REPO = Path(__file__).resolve().parents[1]
@@ -233,6 +233,16 @@ def _raise_stop(signum, frame) -> None:
     raise _Stop()
 
 
+def _curl_for_gateway(port: int) -> str:
+    """The same ready-to-paste request `tandem serve` prints, for the model the gateway lists."""
+    from services.serve import curl_example
+
+    keys = env_list("TANDEM_API_KEYS")
+    headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+    model_id = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
+    return curl_example("127.0.0.1", port, model_id, keys[0] if keys else None)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.local_stack", description=__doc__.split("\n\n")[0],
                                      epilog="Other flags are passed to `tandem engine` (e.g. --moe-backend hybrid).")
@@ -251,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         urls = {"gateway": f"http://127.0.0.1:{config.port}/v1", "prometheus": f"http://127.0.0.1:{config.prometheus_port}"}
         shown = ", ".join(f"{s} {u}" for s, u in urls.items() if s in stack.wanted)
         log.info("stack ready: %s; Ctrl-C stops everything", shown or ", ".join(stack.wanted))
+        if "gateway" in stack.wanted:
+            print(f"\nTry it:\n{_curl_for_gateway(config.port)}\n", flush=True)
         while True:
             stack.check_alive()
             time.sleep(0.5)

@@ -7,8 +7,13 @@ Two paths, same maths:
 - prefill / mixed steps: per sequence, write its new K/V into its slot and attend causally over
   ``[0, start + q)`` (SDPA, GQA inside SDPA);
 - decode steps (one token per sequence): batched, no Python-int-dependent shapes once ``kv_len`` is
-  fixed, so a runner can capture it in a CUDA graph. The G query heads sharing a kv head are laid out
-  as G "query rows" of that kv head, so K/V are never repeated.
+  fixed, so a runner can capture it in a CUDA graph. On CUDA one Triton kernel writes the new K/V and
+  attends over the slot's cache in place (kernels/decode_attention.py); the torch path gathers the
+  window and runs SDPA with the G query heads sharing a kv head laid out as G "query rows" of that kv
+  head, so K/V are never repeated.
+
+A bs=1 decode step is launch-bound, so q/k/v are one matmul (``LinearGroup``) and q/k norm + rope one
+in-place kernel on CUDA (benchmarks/count_decode_ops.py counts the kernels per layer).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.engine.models import fused
+from services.engine.models.fused import LinearGroup
 from services.engine.models.norm import RMSNorm
 from services.engine.models.rope import apply_rotary
 from services.engine.models.spec import ModelSpec, QKNorm
@@ -32,6 +39,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(D, K * Dh, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(D, K * Dh, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(H * Dh, D, bias=spec.o_bias)
+        self.qkv = LinearGroup(self.q_proj, self.k_proj, self.v_proj)  # one [(H + 2K) * Dh, D] matmul
         self.qk_norm = spec.traits.qk_norm
         if self.qk_norm is QKNorm.PER_HEAD:
             self.q_norm = RMSNorm(Dh, spec.rms_norm_eps)
@@ -43,26 +51,44 @@ class Attention(nn.Module):
         self.window = spec.sliding_window  # None = full causal attention
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """x [T, D] · positions [T] · cos/sin [T, Dh] -> [T, D]; writes this layer's K/V into ``kv``."""
-        T = x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, H*Dh], [T, K*Dh], [T, K*Dh]
-        if self.qk_norm is QKNorm.FULL:  # OLMoE: norm over the whole projection, before the head split
-            q, k = self.q_norm(q), self.k_norm(k)
+                batch: ForwardBatch, kv: KVCache, decode_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, D] · positions [T] · cos/sin [T, Dh] -> [T, D]; writes this layer's K/V into ``kv``.
+        ``decode_bias`` [B, 1, 1, W] (decode steps; from ``decode_bias``, built once per step for all
+        layers) — computed here when None."""
+        T, H, K, Dh = x.shape[0], self.H, self.K, self.Dh
+        qkv = self.qkv(x)  # [T, (H + 2K) * Dh]: one matmul
+        if self.clip_qkv is None and self.qk_norm is not QKNorm.FULL:
+            # q and k are adjacent heads of qkv: norm + rope them in place, one launch on CUDA
+            qk = qkv[:, :(H + K) * Dh].view(T, H + K, Dh)  # [T, H + K, Dh]
+            per_head = self.qk_norm is QKNorm.PER_HEAD
+            done = fused.call("qk_norm_rope", "qk_norm_rope", "qk_norm_rope_", qk, H, cos, sin,
+                              self.q_norm.weight if per_head else None, self.k_norm.weight if per_head else None,
+                              self.q_norm.eps if per_head else 1e-6)
+            q, k = qk[:, :H], qk[:, H:]  # [T, H, Dh], [T, K, Dh] (views of qkv; done in place on CUDA)
+            if done is None:  # torch path
+                if per_head:  # Qwen3: one [Dh] weight shared by all heads
+                    q, k = self.q_norm(q), self.k_norm(k)
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        else:
+            q, k, v = qkv.split([H * Dh, K * Dh, K * Dh], dim=-1)  # [T, H*Dh], [T, K*Dh], [T, K*Dh]
+            if self.qk_norm is QKNorm.FULL:  # OLMoE: norm over the whole projection, before the head split
+                q, k = self.q_norm(q), self.k_norm(k)
+            if self.clip_qkv is not None:
+                q, k = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k))
+            q, k = apply_rotary(q.reshape(T, H, Dh), cos, sin), apply_rotary(k.reshape(T, K, Dh), cos, sin)
+        v = qkv[:, (H + K) * Dh:].view(T, K, Dh)  # [T, K, Dh]
         if self.clip_qkv is not None:
-            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
-        q = q.view(T, self.H, self.Dh)  # [T, H, Dh]
-        k = k.view(T, self.K, self.Dh)  # [T, K, Dh]
-        v = v.view(T, self.K, self.Dh)  # [T, K, Dh]
-        if self.qk_norm is QKNorm.PER_HEAD:  # Qwen3: one [Dh] weight shared by all heads
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            v = v.clamp(-self.clip_qkv, self.clip_qkv)
         k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]  # [S, M, K, Dh]
-        if batch.is_decode:
-            o = self._decode(q, k, v, positions, batch, k_cache, v_cache)
+        if batch.is_decode:  # on CUDA one kernel: KV write + attention over the slot's cache in place
+            W = batch.kv_len or (max(batch.start_pos) + 1)
+            o = fused.call("decode_attention", "decode_attention", "decode_attention", q, k, v, k_cache, v_cache,
+                           batch.slot_tensor(q.device), positions, self.window or 0, W)  # [B, H, Dh]
+            if o is None:
+                o = self._decode(q, k, v, positions, batch, k_cache, v_cache, decode_bias)
         else:
             o = self._prefill(q, k, v, batch, k_cache, v_cache)
-        return self.o_proj(o.reshape(T, self.H * self.Dh))
+        return self.o_proj(o.reshape(T, H * Dh))
 
     def _prefill(self, q, k, v, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
         """Per sequence: q [T, H, Dh], k/v [T, K, Dh] -> o [T, H, Dh]."""
@@ -92,7 +118,7 @@ class Attention(nn.Module):
             mask &= key_pos > q_pos - self.window
         return mask
 
-    def _decode(self, q, k, v, positions, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
+    def _decode(self, q, k, v, positions, batch: ForwardBatch, k_cache, v_cache, bias) -> torch.Tensor:
         """One token per sequence: q [B, H, Dh], k/v [B, K, Dh], positions [B] -> o [B, H, Dh]."""
         B = q.shape[0]
         slots = batch.slot_tensor(q.device)  # [B]
@@ -101,8 +127,23 @@ class Attention(nn.Module):
         W = batch.kv_len or (max(batch.start_pos) + 1)
         ks = k_cache[:, :W][slots].transpose(1, 2)  # [B, K, W, Dh]
         vs = v_cache[:, :W][slots].transpose(1, 2)  # [B, K, W, Dh]
-        mask = self._mask(torch.arange(W, device=q.device)[None, :], positions[:, None])  # [B, W]
+        if bias is None:
+            bias = decode_bias(positions, W, self.window, q.dtype)
         G = self.H // self.K
-        qg = q.view(B, self.K, G, self.Dh)  # query head h = kv head (h // G), as transformers' repeat_kv
-        o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=mask[:, None, None, :])  # [B, K, G, Dh]
+        qg = q.reshape(B, self.K, G, self.Dh)  # query head h = kv head (h // G), as transformers' repeat_kv
+        o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=bias)  # [B, K, G, Dh]
         return o.reshape(B, self.H, self.Dh)
+
+
+def decode_bias(positions: torch.Tensor, W: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention bias of a decode step, [B, 1, 1, W] in ``dtype``: 0 where key position j may be
+    seen by the token at ``positions[b]`` (j <= p, and j > p - window with a sliding window), -inf
+    elsewhere. The same for every layer, so a forward builds it once (a float bias also spares SDPA
+    its per-call bool -> float conversion)."""
+    key_pos = torch.arange(W, device=positions.device)[None, :]  # [1, W]
+    q_pos = positions[:, None]  # [B, 1]
+    allowed = key_pos <= q_pos
+    if window is not None:
+        allowed &= key_pos > q_pos - window
+    zero = torch.zeros((), dtype=dtype, device=positions.device)
+    return torch.where(allowed, zero, float("-inf"))[:, None, None, :]

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.engine.models.attention import Attention
+from services.engine.models import fused
+from services.engine.models.attention import Attention, decode_bias
 from services.engine.models.mlp import DenseMLP
 from services.engine.models.norm import RMSNorm
 from services.engine.models.rope import Rotary
@@ -38,10 +39,18 @@ class DecoderLayer(nn.Module):
     def ffn(self) -> nn.Module:
         return getattr(self, self.mlp_name)
 
-    def forward(self, h: torch.Tensor, positions, cos, sin, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """h [T, D] -> [T, D] (pre-norm residual blocks)."""
-        h = h + self.self_attn(self.input_layernorm(h), positions, cos, sin, batch, kv)
-        return h + self.ffn(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions, cos, sin, batch: ForwardBatch,
+                kv: KVCache, decode_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm residual blocks, with each residual add fused into the norm after it: h [T, D] is the
+        previous block's output and ``residual`` [T, D] the stream before it (None for the first
+        layer: h is the embedding). Returns (this layer's FFN output, residual); the stream is their sum."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        a = self.self_attn(x, positions, cos, sin, batch, kv, decode_bias)
+        x, residual = self.post_attention_layernorm(a, residual)
+        return self.ffn(x), residual
 
 
 class DecoderStack(nn.Module):
@@ -92,8 +101,15 @@ class MoECausalLM(nn.Module):
         kv.check(batch)  # a bad slot/position would otherwise be a device-side assert on CUDA
         h = self.model.embed_tokens(input_ids)  # [T, D]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)  # [T, Dh] each
+        bias = None
+        if batch.is_decode and not fused.enabled(h, "decode_attention"):  # torch path: one bias for all layers
+            bias = decode_bias(positions, batch.kv_len or (max(batch.start_pos) + 1), self.spec.sliding_window,
+                               h.dtype)  # [B, 1, 1, W]
+        residual = None
         for layer in self.model.layers:
-            h = layer(h, positions, cos, sin, batch, kv)
+            h, residual = layer(h, residual, positions, cos, sin, batch, kv, bias)
         if not batch.is_decode:  # decode: token i is sequence i's last token already
-            h = h[torch.tensor(batch.last_token_index(), device=h.device)]  # [B, D]
-        return self.lm_head(self.model.norm(h)).float()  # [B, V]
+            last = torch.tensor(batch.last_token_index(), device=h.device)
+            h, residual = h[last], residual[last]  # [B, D]
+        h, _ = self.model.norm(h, residual)
+        return self.lm_head(h).float()  # [B, V]

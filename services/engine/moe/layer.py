@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from services.engine.models import fused
 from services.engine.models.mlp import DenseMLP
 from services.engine.models.spec import ModelSpec
 from services.engine.moe.backends import ExpertBackend
@@ -22,9 +23,13 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
     router_logits [T, E] -> (topk_weights [T, A] fp32, topk_ids [T, A] int64). With ``renormalize``
     the A weights are divided by their sum (``norm_topk_prob``; for Mixtral this equals a softmax over
-    the top-k logits).
+    the top-k logits). On CUDA this is one kernel (kernels/route_topk.py), here five.
     """
-    probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
+    if router_logits.dim() == 2 and router_logits.stride(-1) == 1:  # one Triton launch on CUDA
+        got = fused.call("route_topk", "route_topk", "route_topk", router_logits, top_k, renormalize)
+        if got is not None:
+            return got
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
     weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, A], [T, A]
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -1,0 +1,190 @@
+"""Count the device ops (~ CUDA kernels) of one bs=1 decode step, per decoder layer, on the CPU.
+
+    python -m benchmarks.count_decode_ops [--model synthetic:tiny] [--dtype bfloat16] [--kv-len 64] [--json PATH]
+
+Why: under CUDA-graph replay each kernel still costs a few us, so on a 48-layer model the number of
+kernels per layer, not the bytes, decides decode speed. This runs one decode step the way the
+CUDA-graph runner drives it (static KV window ``kv_len``, slot tensor given) under a
+``TorchDispatchMode`` that records every aten op reaching a backend kernel, attributed to the decoder
+layer it ran in. View/alias ops and allocations launch no kernel and are listed apart ("free").
+The MoE experts take the decode path the GPU takes (``resident.moe_decode``: Triton GEMV under
+TRITON_INTERPRET here); each Triton launch counts as one op ``triton::<kernel>``. Host syncs
+(``aten::_local_scalar_dense``, ``aten::nonzero``, ...) are counted apart: they break CUDA graphs.
+
+Sizes do not change the counts, so the default is the tiny Qwen3-MoE preset in bf16 (bf16 keeps the
+dtype casts that an fp32 run would skip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import Counter
+
+import torch
+
+if not torch.cuda.is_available():  # before kernels.* define their @triton.jit functions
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
+
+FREE = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh", "detach",
+        "alias", "_reshape_alias", "set_"}  # launch no kernel (allocation, metadata)
+SYNCS = {"_local_scalar_dense", "nonzero", "item", "_assert_async", "masked_select", "unique",
+         "_unique2", "bincount", "repeat_interleave"}  # copy a device value to the host
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops (by short name) into ``self.counts[label]``; ``label`` is set by module hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.label = "outside layers"
+        self.counts: dict[str, Counter] = {}
+        self.free: dict[str, Counter] = {}
+
+    def record(self, name: str, free: bool = False) -> None:
+        table = self.free if free else self.counts
+        table.setdefault(self.label, Counter())[name] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        out = func(*args, **(kwargs or {}))
+        free = name in FREE
+        if func.is_view:  # aliasing schema; but e.g. aten::to with a new dtype copies
+            first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            free = (first is not None and isinstance(out, torch.Tensor)
+                    and out.untyped_storage().data_ptr() == first.untyped_storage().data_ptr())
+        self.record(name, free=free)
+        return out
+
+
+def _wrap_triton(module, counter: OpCounter) -> None:
+    """Replace every @triton.jit function of ``module`` by a proxy that counts one op per launch and
+    runs the real kernel with the counter switched off (the interpreter's own tensor traffic is not
+    device work)."""
+    import triton
+
+    class Launch:
+        def __init__(self, fn) -> None:
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                counter.record(f"triton::{self.fn.__name__}")
+                with _disable_current_modes():
+                    return self.fn[grid](*args, **kwargs)
+            return run
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    for name, obj in list(vars(module).items()):
+        if isinstance(obj, (triton.runtime.JITFunction, InterpretedFunction)):
+            setattr(module, name, Launch(obj))
+
+
+def count_decode_step(model: str, dtype: torch.dtype, kv_len: int, start: int = 5, triton: bool = True) -> OpCounter:
+    """One decode step (slot 0, position ``start``, KV window ``kv_len``) of ``model`` on the CPU, counted.
+    ``triton``: the fused ops take their Triton kernels as on CUDA (else the torch path of the CPU)."""
+    import importlib
+
+    import kernels.moe_gemv as moe_gemv_module
+    from services.engine.models import fused
+    from services.engine.config import EngineConfig, MoEBackend
+    from services.engine.models.registry import load_model
+    from services.engine.moe.resident import moe_decode
+    from services.engine.runtime.kv_cache import ForwardBatch, KVCache
+
+    cfg = EngineConfig(model=model, device="cpu", dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+                       moe_backend=MoEBackend.RESIDENT, max_seq_len=kv_len)
+    lm = load_model(cfg)
+    backend = lm.model.backend
+    if backend is not None:  # the GPU decode path (on the CPU resident would take the grouped path)
+        backend.forward = lambda layer, h, ids, w: moe_decode(h, ids, w, backend.gate_up[layer], backend.down[layer])
+    kv = KVCache(lm.spec, 1, kv_len, "cpu", dtype)
+    prompt = torch.arange(1, start + 1)
+    lm.model(prompt, torch.arange(start), ForwardBatch.single(0, 0, start), kv)  # prefill (not counted)
+    ids, pos = torch.tensor([7]), torch.tensor([start])
+    batch = ForwardBatch(slots=[0], start_pos=[start], query_lens=[1], kv_len=kv_len,
+                         slot_ids=torch.zeros(1, dtype=torch.long))
+    fused.FORCE = triton
+    lm.model(ids, pos, batch, kv)  # warm-up: lazy inits (fused weights, Triton compiles) not counted
+
+    counter = OpCounter()
+    _wrap_triton(moe_gemv_module, counter)
+    fused.FORCE = triton
+    for name in ("rmsnorm", "qk_norm_rope", "route_topk", "decode_attention"):
+        _wrap_triton(importlib.import_module(f"kernels.{name}"), counter)
+
+    def enter(i):
+        def hook(module, args):
+            counter.label = f"layer {i}"
+        return hook
+
+    def leave(module, args, out):
+        counter.label = "outside layers"
+
+    handles = []
+    for i, layer in enumerate(lm.model.model.layers):
+        handles += [layer.register_forward_pre_hook(enter(i)), layer.register_forward_hook(leave)]
+    try:
+        with counter:
+            lm.model(ids, pos, batch, kv)
+    finally:
+        for h in handles:
+            h.remove()
+    counter.spec = lm.spec
+    return counter
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="count_decode_ops", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="synthetic:tiny")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--kv-len", type=int, default=64, help="static decode KV window (as the graph runner)")
+    p.add_argument("--torch-path", action="store_true",
+                   help="count the torch path of the fused ops (what the CPU runs) instead of their Triton kernels")
+    p.add_argument("--json", help="also write the counts to this JSON file")
+    args = p.parse_args(argv)
+    counter = count_decode_step(args.model, getattr(torch, args.dtype), args.kv_len, triton=not args.torch_path)
+    from services.engine.models import fused
+    if fused._broken:
+        print(f"count_decode_ops: Triton kernels failed: {sorted(fused._broken)}", file=sys.stderr)
+        return 1
+    spec = counter.spec
+    kernels = {label: sum(c.values()) for label, c in counter.counts.items()}
+    path = "torch path" if args.torch_path else "Triton kernels as on CUDA"
+    print(f"{args.model} ({args.dtype}, decode bs=1, KV window {args.kv_len}, {path}): device ops (~kernels) per step")
+    shown = set()
+    for i in range(spec.num_layers):
+        label = f"layer {i}"
+        c = counter.counts.get(label, Counter())
+        kind = "moe" if spec.moe_ordinal(i) is not None else "dense"
+        key = (kind, tuple(sorted(c.items())))
+        if key in shown:
+            continue  # identical to a layer already printed
+        shown.add(key)
+        free = sum(counter.free.get(label, Counter()).values())
+        print(f"\n{label} ({kind}): {kernels.get(label, 0)} ops (+{free} free views/allocs)")
+        for name, n in sorted(c.items(), key=lambda kv: (-kv[1], kv[0])):
+            sync = "  <- host sync" if name in SYNCS else ""
+            print(f"  {n:4d}  {name}{sync}")
+    outside = counter.counts.get("outside layers", Counter())
+    print(f"\noutside layers (embedding, rope, final norm, head): {sum(outside.values())} ops")
+    for name, n in sorted(outside.items(), key=lambda kv: (-kv[1], kv[0])):
+        print(f"  {n:4d}  {name}")
+    total = sum(kernels.values())
+    syncs = sum(n for c in counter.counts.values() for name, n in c.items() if name in SYNCS)
+    print(f"\ntotal {total} ops per decode step, {syncs} host syncs")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "dtype": args.dtype, "kv_len": args.kv_len, "total": total,
+                       "host_syncs": syncs, "ops": {k: dict(v) for k, v in counter.counts.items()},
+                       "free": {k: dict(v) for k, v in counter.free.items()}}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

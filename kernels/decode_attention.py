@@ -1,0 +1,117 @@
+"""decode_attention: one decode token per sequence — write its K/V into the slot cache and attend over
+the cache, in ONE launch.
+
+Dimension legend: B sequences (one new token each) · H query heads · K kv heads · G = H/K · Dh head dim ·
+S cache slots · M max_seq_len · W attended window (keys [0, W), the runner's static kv_len).
+
+Why: the torch decode path is 5-6 kernels per layer (two index_put_ into the cache, two gathers of the
+slot's [W, K, Dh] keys/values, SDPA, a copy of its output) plus a mask. Here program (b, h) reads the
+cache of slot ``slots[b]`` in place, only the keys its token may see (``j < positions[b]``, within the
+sliding window), takes the new token's key/value from the projection itself, and the programs of query
+heads ``h % G == 0`` store that key/value at ``[slot, position]`` (no other program reads that entry:
+no race). Online softmax in fp32 (as flash attention); scale 1/sqrt(Dh) as SDPA.
+
+The reference is ``decode_attention_ref`` (SDPA over the gathered window); tests/kernels/test_decode_attention.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, pos_ptr, o_ptr,
+    G, Dh, W, WINDOW, scale,
+    s_qb, s_qh, s_kb, s_kh, s_vb, s_vh,
+    s_kcs, s_kcm, s_kck, s_vcs, s_vcm, s_vck,
+    s_ob, s_oh,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // G
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    p = tl.load(pos_ptr + b).to(tl.int32)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < Dh
+    q = tl.load(q_ptr + b * s_qb + h * s_qh + offs_d, mask=mask_d, other=0.0).to(tl.float32)  # [BLOCK_D]
+    k_new = tl.load(k_ptr + b * s_kb + kvh * s_kh + offs_d, mask=mask_d, other=0.0)
+    v_new = tl.load(v_ptr + b * s_vb + kvh * s_vh + offs_d, mask=mask_d, other=0.0)
+    if h % G == 0:  # one program per kv head writes the new entry
+        tl.store(kc_ptr + slot * s_kcs + p * s_kcm + kvh * s_kck + offs_d, k_new, mask=mask_d)
+        tl.store(vc_ptr + slot * s_vcs + p * s_vcm + kvh * s_vck + offs_d, v_new, mask=mask_d)
+    # running softmax state, started from the new token's own key (always visible)
+    m = tl.sum(q * k_new.to(tl.float32), axis=0) * scale
+    l_sum = m * 0.0 + 1.0
+    acc = v_new.to(tl.float32)  # [BLOCK_D]
+    lo = tl.where(WINDOW > 0, tl.maximum(p - WINDOW + 1, 0), 0)
+    hi = tl.minimum(p, W)  # cached keys [lo, hi)
+    kc = kc_ptr + slot * s_kcs + kvh * s_kck
+    vc = vc_ptr + slot * s_vcs + kvh * s_vck
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(kc + offs_n[:, None] * s_kcm + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = tl.sum(k * q[None, :], axis=1) * scale  # [BLOCK_N]
+        s = tl.where(mask_n, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        alpha = tl.exp(m - m_new)
+        pr = tl.exp(s - m_new)  # [BLOCK_N], 0 where masked
+        v = tl.load(vc + offs_n[:, None] * s_vcm + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        l_sum = l_sum * alpha + tl.sum(pr, axis=0)
+        acc = acc * alpha + tl.sum(pr[:, None] * v, axis=0)
+        m = m_new
+    out = acc / l_sum
+    tl.store(o_ptr + b * s_ob + h * s_oh + offs_d, out.to(k_new.dtype), mask=mask_d)
+
+
+def decode_attention_ref(q, k, v, k_cache, v_cache, slots, positions, window: int, W: int) -> torch.Tensor:
+    """Pure torch (the model's own torch decode path): q [B, H, Dh] · k/v [B, K, Dh] · k/v_cache
+    [S, M, K, Dh] (written at [slots, positions]) · window (0 = none) · W -> o [B, H, Dh]."""
+    B, H, Dh = q.shape
+    K = k.shape[1]
+    k_cache[slots, positions] = k
+    v_cache[slots, positions] = v
+    ks = k_cache[:, :W][slots].transpose(1, 2)  # [B, K, W, Dh]
+    vs = v_cache[:, :W][slots].transpose(1, 2)
+    key_pos, q_pos = torch.arange(W, device=q.device)[None, :], positions[:, None]
+    allowed = key_pos <= q_pos
+    if window:
+        allowed &= key_pos > q_pos - window
+    o = F.scaled_dot_product_attention(q.reshape(B, K, H // K, Dh), ks, vs, attn_mask=allowed[:, None, None, :])
+    return o.reshape(B, H, Dh)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, window: int,
+                     W: int) -> torch.Tensor:
+    """One launch: q [B, H, Dh] · k/v [B, K, Dh] (the new token's, last dims contiguous) · k/v_cache
+    [S, M, K, Dh] · slots/positions [B] int64 on the device · window (0 = full attention) · W (keys
+    beyond are never read) -> o [B, H, Dh] contiguous, q's dtype. Writes k/v at [slots, positions].
+    Same contract as ``decode_attention_ref``."""
+    B, H, Dh = q.shape
+    K = k.shape[1]
+    if (k.shape != (B, K, Dh) or v.shape != (B, K, Dh) or k_cache.shape[2:] != (K, Dh)
+            or v_cache.shape != k_cache.shape or H % K or slots.shape != (B,) or positions.shape != (B,)):
+        raise ValueError(f"decode_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)}, slots {tuple(slots.shape)}, "
+                         f"positions {tuple(positions.shape)} do not fit [B, H, Dh], [B, K, Dh], [S, M, K, Dh], [B]")
+    if any(t.stride(-1) != 1 for t in (q, k, v, k_cache, v_cache)):
+        raise ValueError("decode_attention: q, k, v and the caches need a contiguous last dimension")
+    o = torch.empty((B, H, Dh), dtype=q.dtype, device=q.device)
+    if B == 0:
+        return o
+    _decode_attention_kernel[(B, H)](
+        q, k, v, k_cache, v_cache, slots, positions, o,
+        H // K, Dh, W, window or 0, Dh ** -0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        o.stride(0), o.stride(1),
+        BLOCK_N=32, BLOCK_D=triton.next_power_of_2(Dh), num_warps=4,
+    )
+    return o
