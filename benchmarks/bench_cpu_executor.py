@@ -5,9 +5,40 @@ layer's bank per `--layers` rotated so no expert is re-read from cache. Rounds i
 (STREAM-style sum by the executor's own pinned pool) and a GEMV trial, so a noisy neighbour hits both;
 the best trial of each is reported. Target: executor >= 80% of the read ceiling (issue 4).
 With CUDA: c_sync = the fixed per-layer cost of submit + sync through pinned buffers (DeviceHandoff),
-measured as a layer loop with an empty CPU job minus the same loop without the handoff.
+measured as a layer loop with an empty CPU job minus the same loop without the handoff: the driver
+fast path (c_sync_s), the old torch-copy path (c_sync_torch_s) and graph mode (c_sync_graph_s).
 
     python -m benchmarks.bench_cpu_executor [--threads N] [--json out.json]
+
+What changed (handoff rework) and what to expect on the H200 host (16 cores, 15 workers):
+
+  measure                          before     predicted   why
+  executor GEMV bs=1 (GB/s)        85.2       ~85         GEMV kernels unchanged
+  c_sync eager (us/layer)          123        30-50       one C++ call per submit/sync: 4 driver D2H
+                                                          copies (inputs + an 8-byte flag copied from a
+                                                          device ring, no fill kernel), 1 H2D; no torch
+                                                          op, no pinned-memory event record; empty CPU
+                                                          jobs take 1 barrier instead of 3; what is left
+                                                          is ~5 driver calls + the GPU->CPU->GPU latency
+                                                          (~14 us floor) + the add kernel (~12 us here)
+  c_sync eager, torch path (us)    123        ~115        the old path (fast=False), for comparison
+  c_sync graph mode (us/layer)     533        15-30       the poller thread is gone (worker 0 polls):
+                                                          it was a 17th spinning thread on 16 cores
+                                                          (15 workers + the driver thread in sync);
+                                                          inputs staged by the signal kernel itself
+                                                          (1 kernel node, not 3 copy nodes + 1);
+                                                          if it stays > eager, eager stays the default
+  bench bw cpu_ov (GB/s)           16.3       70-80       executor loop mode (no Python/GIL per job) on
+                                                          cores-1 workers, bytes counted over the copy
+                                                          loop's own window (physlimits overlap: 81)
+  bench bw c_sync (us)             529        30-50       = this file's eager c_sync (was a round trip
+                                                          with 16 workers + the driver on 16 cores)
+
+The CPU side alone, `cpu_roundtrip_*` below (2-core CI box, 1 worker, submit()+wait() median, noisy
+shared machine): empty job 6.2-9.4 -> 2.3-3.7 us; one route of a tiny expert: unchanged within noise
+(~20-28 us, the read). On the H200 (15 workers) expect the empty job at ~3-6 us (1 barrier, not 3).
+If c_sync eager still shows > 80 us, look at `fast_path` in the JSON (false = the driver path failed to
+link and the torch path ran; the log says why).
 """
 
 from __future__ import annotations
@@ -42,11 +73,32 @@ def gemv_trial(ex: CpuExecutor, banks: ExpertBanks, A: int, seconds: float, step
     return nbytes / (time.perf_counter() - t0), n
 
 
-def measure_c_sync(ex: CpuExecutor, D: int, A: int, dtype: torch.dtype, layers: int = 48, reps: int = 20) -> dict:
-    """Per-layer cost of submit + sync on CUDA (seconds): a loop of `layers` tiny GPU ops with an empty
-    CPU job (all ids -1) handed off per layer, minus the same loop without the handoff."""
+def cpu_roundtrip(ex: CpuExecutor, banks: ExpertBanks, A: int, routes: int, n: int = 2000) -> float:
+    """Median seconds of submit() + wait() on the host (no GPU) for one token with ``routes`` of its A
+    routes valid (the rest -1): the CPU side of the handoff's fixed cost."""
+    D = banks.layers[0].tensors["down"].shape[1]
+    x = torch.randn(1, D).to(banks.layers[0].tensors["down"].dtype)  # [1, D]
+    ids = torch.full((1, A), -1, dtype=torch.int64)  # [1, A]
+    ids[0, :routes] = torch.arange(routes)
+    w, out = torch.rand(1, A), torch.empty(1, D)
+    times = []
+    for i in range(n + 100):
+        t0 = time.perf_counter()
+        ex.submit(x, ids, w, 0, out=out)
+        ex.wait()
+        if i >= 100:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_c_sync_eager(ex: CpuExecutor, D: int, A: int, dtype: torch.dtype, fast: bool = True, layers: int = 48,
+                         reps: int = 20) -> dict:
+    """Fixed per-layer cost (seconds) of the eager handoff (DeviceHandoff submit + sync + the add of
+    its result) on CUDA: a loop of ``layers`` tiny GPU ops with an empty CPU job (all ids -1) handed off
+    per layer, minus the same loop without the handoff; best of ``reps``. ``fast``: the driver-API path
+    (else torch copies). The profiler's c_sync (services/profiler/probes.py) is this number."""
     dev = torch.device("cuda")
-    hand = DeviceHandoff(ex, dev, 1, D, A, dtype)
+    hand = DeviceHandoff(ex, dev, 1, D, A, dtype, fast=fast)
     x = torch.randn(1, D, device=dev, dtype=dtype)
     ids = torch.full((1, A), -1, dtype=torch.int64, device=dev)
     w = torch.rand(1, A, device=dev)
@@ -57,7 +109,7 @@ def measure_c_sync(ex: CpuExecutor, D: int, A: int, dtype: torch.dtype, layers: 
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             y = x.float()
-            for layer in range(layers):
+            for _layer in range(layers):
                 y = y * 0.5 + 1.0  # stands in for the layer's GPU work
                 if handoff:
                     hand.submit(0, x, ids, w)
@@ -68,7 +120,15 @@ def measure_c_sync(ex: CpuExecutor, D: int, A: int, dtype: torch.dtype, layers: 
 
     loop(True)
     with_handoff, without = loop(True), loop(False)
-    res = {"c_sync_s": with_handoff - without, "layer_with_handoff_s": with_handoff, "layer_gpu_only_s": without}
+    return {"c_sync_s": with_handoff - without, "layer_with_handoff_s": with_handoff, "layer_gpu_only_s": without,
+            "fast_path": hand.fast}
+
+
+def measure_c_sync(ex: CpuExecutor, D: int, A: int, dtype: torch.dtype, layers: int = 48, reps: int = 20) -> dict:
+    """c_sync of the eager handoff (fast path, and the torch path as c_sync_torch_s) and of graph mode."""
+    res = measure_c_sync_eager(ex, D, A, dtype, True, layers, reps)
+    torch_path = measure_c_sync_eager(ex, D, A, dtype, False, layers, reps)
+    res.update(c_sync_torch_s=torch_path["c_sync_s"], layer_with_torch_handoff_s=torch_path["layer_with_handoff_s"])
     res.update(measure_c_sync_graph(ex, D, A, dtype, layers, reps))
     return res
 
@@ -161,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         "ms_per_layer_step": args.top_k * banks.expert_nbytes() / max(gemvs) * 1e3,
     }
     res["executor_vs_ceiling"] = res["executor_gbs"] / res["read_ceiling_gbs"]
+    res["cpu_roundtrip_empty_s"] = cpu_roundtrip(ex, banks, args.top_k, 0)
+    res["cpu_roundtrip_1route_s"] = cpu_roundtrip(ex, banks, args.top_k, 1, n=300)
     if torch.cuda.is_available():
         res.update(measure_c_sync(ex, args.hidden, args.top_k, dtype))
         res["device"] = torch.cuda.get_device_name()
@@ -172,9 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'torch sum (reference)':<36}{res['torch_sum_gbs']:>12.1f}{'':>14}")
     print(f"{'executor GEMV (bytes read / time)':<36}{res['executor_gbs']:>12.1f}{res['executor_median_gbs']:>14.1f}")
     print(f"executor / ceiling = {res['executor_vs_ceiling']:.0%} (target >= 80%) · {res['ms_per_layer_step']:.2f} ms per layer-step")
+    print(f"host submit()+wait(), CPU side only: empty job {res['cpu_roundtrip_empty_s'] * 1e6:.1f} us · "
+          f"1 route {res['cpu_roundtrip_1route_s'] * 1e6:.1f} us (one expert read)")
     if "c_sync_s" in res:
-        print(f"c_sync (submit + sync per layer, CUDA) = {res['c_sync_s'] * 1e6:.1f} us "
+        print(f"c_sync eager (submit + sync + add per layer, CUDA, {'driver fast path' if res['fast_path'] else 'TORCH PATH: fast path failed'})"
+              f" = {res['c_sync_s'] * 1e6:.1f} us "
               f"(layer {res['layer_with_handoff_s'] * 1e6:.1f} us with, {res['layer_gpu_only_s'] * 1e6:.1f} us without)")
+        print(f"c_sync eager, torch copies (the old path) = {res['c_sync_torch_s'] * 1e6:.1f} us")
         print(f"c_sync graph mode (captured layer loop) = {res['c_sync_graph_s'] * 1e6:.1f} us "
               f"(layer {res['graph_layer_with_handoff_s'] * 1e6:.1f} us with, {res['graph_layer_gpu_only_s'] * 1e6:.1f} us without)")
     if args.json:

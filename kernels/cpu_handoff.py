@@ -4,9 +4,11 @@ hybrid decode layer is all copies and kernels and can be captured in a CUDA grap
 
 Dimension legend: T tokens · D hidden.
 
-- ``signal_cpu``: seq += 1 (device counter), then job word = seq << 20 | T << 10 | layer in host memory.
-  Launched after the stream copied hidden/ids/weights into the pinned inputs, so the inputs are in
-  host memory before the poller can see the word.
+- ``stage_and_signal``: stores hidden/ids/weights straight into the pinned inputs (UVA), fences them
+  system-wide, then seq += 1 (device counter) and job word = seq << 20 | T << 10 | layer in host
+  memory: one kernel node per layer instead of three copy nodes and a kernel (each node ~2-3 us of
+  latency on the GPU's timeline, in series with the CPU's work).
+- ``signal_cpu``: the word alone, for inputs the stream already copied down.
 - ``wait_cpu_add``: polls the host done word until it reaches seq, then out = part + cpu_out (cpu_out
   [T, D] fp32 read from pinned memory with volatile loads: never a stale cached line of an earlier layer).
   A bounded poll (``max_polls``) turns a lost CPU job into NaNs instead of a hung GPU.
@@ -88,19 +90,58 @@ def _kernels():
             r = tl.where(ok, p + c, float("nan"))
             tl.store(out_ptr + idx, r.to(out_ptr.dtype.element_ty), mask=m)
 
-    _KERNELS = (_signal_kernel, _wait_add_kernel)
+    @triton.jit
+    def _stage_signal_kernel(seq_ptr, job_ptr, stamps_ptr, code, layer, h_src, h_dst, n_h, i_src, i_dst, w_src, w_dst,
+                             n_r, TIMER: tl.constexpr, GPU: tl.constexpr, BLOCK: tl.constexpr, RBLOCK: tl.constexpr):
+        for i0 in range(0, n_h, BLOCK):  # hidden [T, D] -> pinned, converted to the buffer's dtype
+            idx = i0 + tl.arange(0, BLOCK)
+            m = idx < n_h
+            tl.store(h_dst + idx, tl.load(h_src + idx, mask=m).to(h_dst.dtype.element_ty), mask=m)
+        r = tl.arange(0, RBLOCK)  # ids, weights [T, A]
+        mr = r < n_r
+        tl.store(i_dst + r, tl.load(i_src + r, mask=mr).to(i_dst.dtype.element_ty), mask=mr)
+        tl.store(w_dst + r, tl.load(w_src + r, mask=mr).to(w_dst.dtype.element_ty), mask=mr)
+        if GPU:  # each thread's host stores visible system-wide, then all threads past them, then the word
+            tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+            tl.debug_barrier()
+        seq = tl.load(seq_ptr) + 1
+        tl.store(seq_ptr, seq)
+        if TIMER:
+            tl.store(stamps_ptr + layer * 3, _now())
+        tl.store(job_ptr, (seq << 20) | code)
+
+    _KERNELS = (_signal_kernel, _wait_add_kernel, _stage_signal_kernel)
     return _KERNELS
 
 
 def signal_cpu(seq: torch.Tensor, job_word: torch.Tensor, layer: int, T: int, stamps: torch.Tensor | None = None) -> None:
     """seq [1] int64 (device) += 1; job_word (pinned int64 [1] host tensor) = seq << 20 | T << 10 | layer;
     stamps: pinned int64 [L, 3] (GPU only)."""
-    signal, _ = _kernels()
+    signal = _kernels()[0]
     if not (0 <= layer < 1024 and 0 < T < 1024):
         raise ValueError(f"cpu handoff: layer {layer} and T {T} must fit in 10 bits each")
     timer = stamps is not None
     signal[(1,)](seq, host_arg(signal, job_word), host_arg(signal, stamps) if timer else seq, (T << 10) | layer, layer,
                  TIMER=timer)
+
+
+def stage_and_signal(seq: torch.Tensor, job_word: torch.Tensor, layer: int, hidden: torch.Tensor, ids: torch.Tensor,
+                     weights: torch.Tensor, hidden_h: torch.Tensor, ids_h: torch.Tensor, w_h: torch.Tensor,
+                     stamps: torch.Tensor | None = None) -> None:
+    """hidden [T, D] · ids [T, A] · weights [T, A] (device) -> the first T rows of the pinned hidden_h /
+    ids_h / w_h, then as ``signal_cpu``: seq [1] int64 (device) += 1, job word (pinned int64 [1]) =
+    seq << 20 | T << 10 | layer. One single-program launch; stamps: pinned int64 [L, 3] (GPU only)."""
+    stage = _kernels()[2]
+    T = hidden.shape[0]
+    if not (0 <= layer < 1024 and 0 < T < 1024):
+        raise ValueError(f"cpu handoff: layer {layer} and T {T} must fit in 10 bits each")
+    n_h, n_r = hidden.numel(), ids.numel()
+    timer = stamps is not None
+    h = lambda t: host_arg(stage, t)  # noqa: E731
+    stage[(1,)](seq, h(job_word), h(stamps) if timer else seq, (T << 10) | layer, layer,
+                hidden.contiguous(), h(hidden_h[:T]), n_h, ids.contiguous(), h(ids_h[:T]), weights.contiguous(),
+                h(w_h[:T]), n_r, TIMER=timer, GPU=type(stage).__name__ != "InterpretedFunction",
+                BLOCK=min(4096, triton.next_power_of_2(n_h)), RBLOCK=triton.next_power_of_2(max(n_r, 2)))
 
 
 def wait_cpu_add(seq: torch.Tensor, done_word: torch.Tensor, cpu_out: torch.Tensor, part: torch.Tensor, layer: int,
@@ -111,7 +152,7 @@ def wait_cpu_add(seq: torch.Tensor, done_word: torch.Tensor, cpu_out: torch.Tens
     (fp32 sum, in part's dtype); NaNs if the CPU never answered within ``max_polls`` polls.
     stamps: pinned int64 [L, 3] (GPU only) · counters: (misses [L], fetched [L] on the device, pinned
     int64 [L, 2]) to mirror the layer's cache counters to the host, read there with no CUDA call."""
-    _, wait_add = _kernels()
+    wait_add = _kernels()[1]
     out = torch.empty_like(part)
     n = part.numel()
     timer = stamps is not None

@@ -218,7 +218,9 @@ class Engine:
         if batch is None:
             return
         try:
-            token_ids = self.runner.run(batch)
+            t0 = time.perf_counter()
+            token_ids = self.runner.run(batch)  # ends with the sampled ids on the host: a full step
+            self._observe_backend(batch, time.perf_counter() - t0)
         except Exception as exc:
             log.exception("forward failed for %d requests; aborting them", len(batch.requests))
             for req in batch.requests:  # each stream ends with finish_reason "abort" (the gateway: 500)
@@ -244,6 +246,12 @@ class Engine:
                 m.observe_inter_token(now - last)
             if req.finish_reason is not None and req.finish_reason != FinishReason.ABORT:
                 self._finished(req, now)
+
+    def _observe_backend(self, batch, seconds: float) -> None:
+        """Decode step times feed `auto`'s online verdict; a rebuilt backend needs new decode graphs."""
+        observe = getattr(self.backend, "observe_decode_step", None)
+        if observe is not None and batch.num_prefill == 0 and observe(seconds, len(batch.requests)):
+            self.runner.recapture()
 
     def _finished(self, req: Request, now: float) -> None:
         self._totals["requests_finished"] += 1

@@ -101,7 +101,12 @@ def measure(args: argparse.Namespace, geo: Geometry, dtypes: list[str], gpu: hos
     dev = gpu.torch_index if gpu else None
     if dev is not None:
         torch.cuda.set_device(dev)
-    secs, buf, threads = args.seconds, args.buffer_mib << 20, host.physical_cores
+    secs, buf = args.seconds, args.buffer_mib << 20
+    # with a GPU, one core is left to the thread that enqueues copies and waits on the GPU (as hybrid
+    # does: services.engine.moe.cpu_executor.default_num_threads); pinned spinning workers on every
+    # core would time-slice with it and the concurrent numbers would measure the contention
+    cores = host.physical_cores
+    threads = cores - 1 if dev is not None and cores > 2 else cores
     steps: list[tuple[str, Callable[[], None]]] = []
     results: dict = {"kernels": {}, "concurrent": {}}
 

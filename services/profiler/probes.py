@@ -154,6 +154,10 @@ class CpuKernel:
             self._torch_step(ids)
         return self.A * self.bank.expert_bytes
 
+    def loop_table(self, rows: int = 64) -> torch.Tensor:
+        """[rows, 1, A] int64: the next ``rows`` steps' ids (the executor's loop mode cycles through them)."""
+        return torch.tensor([[next(self.ids)] for _ in range(rows)], dtype=torch.int64)
+
     def read_ceiling(self, buffer_bytes: int) -> float | None:
         """The executor pool's STREAM-style read (GB/s), or None without the executor."""
         return self.executor.read_bandwidth(buffer_bytes, reps=3) / GB if self.executor else None
@@ -164,6 +168,19 @@ class CpuKernel:
 
 
 def cpu_kernel_bw(kernel: CpuKernel, seconds: float, stop: threading.Event | None = None) -> float:
+    """GB/s of the CPU kernel alone: the executor in loop mode (jobs back to back on its threads, no
+    Python per job), else a Python loop of torch GEMVs."""
+    if kernel.executor is not None and stop is None:
+        ex = kernel.executor
+        ex.start_loop(kernel.x, kernel.loop_table(), kernel.w)
+        try:
+            time.sleep(min(0.2, seconds / 4))  # warm-up: workers awake, pages touched
+            jobs0, bytes0, ns0 = ex.loop_counters()
+            time.sleep(seconds)
+            jobs1, bytes1, ns1 = ex.loop_counters()
+        finally:
+            ex.stop_loop()
+        return (bytes1 - bytes0) / ((ns1 - ns0) * 1e-9) / GB
     moved, el = _loop(kernel.step, seconds, stop)
     return moved / el / GB
 
@@ -234,7 +251,33 @@ def gather_bw(gather: Gather, seconds: float) -> float:
 
 
 def concurrent(kernel: CpuKernel, gather: Gather, seconds: float) -> tuple[float, float]:
-    """(pcie_ov, cpu_ov) GB/s: the CPU kernel loops in a thread while this thread gathers."""
+    """(pcie_ov, cpu_ov) GB/s, both over the same wall-clock window: the executor runs jobs back to back
+    on its own threads (loop mode, as physlimits' overlap.py runs its C GEMV) while this thread gathers
+    in a loop; the CPU's rate is the expert bytes its jobs read between the window's two counter
+    readings. This thread only enqueues copies and waits on the GPU: give the executor one core less
+    than the host has (bench_bw does), or the two fight over a core. Without the executor, the torch
+    kernel loops in a Python thread (GIL-bound: a lower bound)."""
+    if kernel.executor is None:
+        return _concurrent_threaded(kernel, gather, seconds)
+    ex = kernel.executor
+    gather.issue()
+    torch.cuda.synchronize()
+    ex.start_loop(kernel.x, kernel.loop_table(), kernel.w)
+    try:
+        time.sleep(0.1)  # workers awake and streaming before the window opens
+        _, bytes0, ns0 = ex.loop_counters()
+        copied, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            copied += gather.issue()
+            torch.cuda.synchronize()
+        el = time.perf_counter() - t0
+        _, bytes1, ns1 = ex.loop_counters()
+    finally:
+        ex.stop_loop()
+    return copied / el / GB, (bytes1 - bytes0) / ((ns1 - ns0) * 1e-9) / GB
+
+
+def _concurrent_threaded(kernel: CpuKernel, gather: Gather, seconds: float) -> tuple[float, float]:
     stop, started, result = threading.Event(), threading.Event(), [0.0]
 
     def cpu_side() -> None:
@@ -269,24 +312,20 @@ def _median_seconds(fn: Callable[[], None], seconds: float, min_samples: int = 5
 
 def c_sync(kernel: CpuKernel, hidden: int, device: int | None, seconds: float) -> float:
     """Seconds per layer the hybrid path pays to hand work to the CPU and get it back, with no work
-    (all ids -1): with the executor on a GPU, its DeviceHandoff submit + sync + upload; with the
-    executor alone, submit + wait; else a Python thread round trip (+ small D2H/H2D on a GPU, as
-    syncprobe.py measures). Median of many round trips."""
+    (all ids -1): with the executor on a GPU, the eager handoff's fixed cost inside a layer loop
+    (benchmarks/bench_cpu_executor.py measure_c_sync_eager: loop with the handoff minus loop without,
+    so the GPU's own latency hidden by the pipeline is not counted); with the executor alone, submit +
+    wait; else a Python thread round trip (+ small D2H/H2D on a GPU, as syncprobe.py measures)."""
     dtype, A = kernel.bank.gate_up.dtype, kernel.A
     if kernel.executor is not None and device is not None:
-        from services.engine.moe.cpu_executor import DeviceHandoff
+        from benchmarks.bench_cpu_executor import measure_c_sync_eager
 
-        dev = torch.device(f"cuda:{device}")
-        handoff = DeviceHandoff(kernel.executor, dev, 1, hidden, A, dtype)
-        x = torch.randn(1, hidden, dtype=dtype, device=dev)  # [1, D]
-        ids = torch.full((1, A), -1, dtype=torch.int64, device=dev)  # [1, A] nothing for the CPU
-        w = torch.zeros(1, A, dtype=torch.float32, device=dev)
-
-        def roundtrip() -> None:
-            handoff.submit(0, x, ids, w)
-            handoff.sync()
-            torch.cuda.current_stream(dev).synchronize()
-        return _median_seconds(roundtrip, seconds)
+        with torch.cuda.device(device):
+            res = measure_c_sync_eager(kernel.executor, hidden, A, dtype, fast=True, reps=max(5, int(seconds * 20)))
+        log.info("c_sync %.1f us per layer (eager handoff, %s; layer %.1f us with, %.1f us without)",
+                 res["c_sync_s"] * 1e6, "driver path" if res["fast_path"] else "torch path",
+                 res["layer_with_handoff_s"] * 1e6, res["layer_gpu_only_s"] * 1e6)
+        return max(res["c_sync_s"], 1e-6)  # a difference of two timings: never report a free handoff
     if kernel.executor is not None:
         x, ids, w = torch.randn(1, hidden, dtype=dtype), torch.full((1, A), -1, dtype=torch.int64), torch.zeros(1, A)
         return _median_seconds(lambda: kernel.executor.forward(0, x, ids, w), seconds)

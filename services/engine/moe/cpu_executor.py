@@ -126,16 +126,25 @@ class CpuExecutor:
     read in place (bf16 or fp32). One job in flight at a time.
     """
 
-    def __init__(self, banks: ExpertBanks, num_threads: int | None = None, spin_us: int = 200, isa: str = ""):
+    SPIN_US_SPARE_CORE = 5000  # a decode layer's gap between CPU jobs is ~0.1-1 ms: spin through it
+    SPIN_US_SHARED = 200  # every core has a worker: the caller needs the cores back soon
+
+    def __init__(self, banks: ExpertBanks, num_threads: int | None = None, spin_us: int | None = None, isa: str = ""):
         """num_threads: workers (default one per physical core, each pinned to its core); spin_us: how
-        long idle workers and wait() spin before sleeping; isa: force 'avx512bf16'|'avx512'|'avx2'|'scalar'."""
+        long idle workers and wait() spin before sleeping (default: 5 ms when a core is left for the
+        caller, else 200 us: a sleeping pool costs a futex wake of every worker, serialised on one
+        mutex, on the next job; a sleeping wait() a wake on the job's end);
+        isa: force 'avx512bf16'|'avx512'|'avx2'|'scalar'."""
         ext = build_extension()
         cpus = physical_cpus()
         n = num_threads or len(cpus)
+        if spin_us is None:
+            spin_us = self.SPIN_US_SPARE_CORE if n < len(cpus) else self.SPIN_US_SHARED
         # pin only when there is a core per worker; oversubscribed pools (tests) float
         self._impl = ext.Executor(cpus if n <= len(cpus) else [], n, spin_us, isa)
         self.banks = banks
         self._pending: tuple | None = None
+        self._no_flag = torch.empty(0, dtype=torch.int64)  # "no ready flag", made once (an allocation per call shows)
         self.last_ready_ns = 0  # steady-clock ns when the last job's inputs were available
         self.last_done_ns = 0
         self.last_experts = 0  # distinct experts the last job read (its bytes = this x expert_nbytes)
@@ -164,15 +173,16 @@ class CpuExecutor:
             raise RuntimeError("cpu executor: submit() while a job is in flight; call wait() first")
         lb: LayerBanks = self.banks.layers[layer]
         gate_up, down = lb.tensors["gate_up"], lb.tensors["down"]
-        T = hidden.shape[0]
         if out is None:
-            out = torch.empty((T, hidden.shape[1]), dtype=torch.float32)
-        hidden = hidden.contiguous()
-        ids = ids if ids.dtype in (torch.int64, torch.int32) else ids.long()
-        ids = ids.contiguous()
-        weights = (weights if weights.dtype in (torch.float32, torch.bfloat16) else weights.float()).contiguous()
+            out = torch.empty((hidden.shape[0], hidden.shape[1]), dtype=torch.float32)
+        if not hidden.is_contiguous():
+            hidden = hidden.contiguous()
+        if ids.dtype not in (torch.int64, torch.int32) or not ids.is_contiguous():
+            ids = ids.long().contiguous()
+        if weights.dtype not in (torch.float32, torch.bfloat16) or not weights.is_contiguous():
+            weights = weights.float().contiguous()
         if ready is None:
-            ready = torch.empty(0, dtype=torch.int64)
+            ready = self._no_flag
         self._impl.submit(hidden, ids, weights, gate_up, down, out, ready, int(ready_value))
         self._pending = (hidden, ids, weights, out, ready)
 
@@ -186,6 +196,32 @@ class CpuExecutor:
         finally:
             self._pending = None
         return out
+
+    def start_loop(self, hidden: torch.Tensor, ids_table: torch.Tensor, weights: torch.Tensor, layer: int = 0) -> None:
+        """Run jobs back to back on the workers until ``stop_loop()`` (no Python per job): job k computes
+        ``ids_table[k % N]``. hidden [T, D] · ids_table [N, T, A] int64 · weights [T, A] fp32. For
+        measuring what the executor sustains while something else (PCIe copies) competes for DRAM."""
+        if self._pending is not None:
+            raise RuntimeError("cpu executor: start_loop() while a job is in flight; call wait() first")
+        lb: LayerBanks = self.banks.layers[layer]
+        out = torch.empty((hidden.shape[0], hidden.shape[1]), dtype=torch.float32)
+        args = (hidden.contiguous(), ids_table.long().contiguous(), weights.float().contiguous())
+        self._impl.start_loop(*args, lb.tensors["gate_up"], lb.tensors["down"], out)
+        self._pending = (*args, out, "loop")
+
+    def loop_counters(self) -> tuple[int, int, int]:
+        """(jobs done, expert bytes read, steady-clock ns now) of the running loop: two readings give
+        the executor's rate over exactly the window between them."""
+        return tuple(self._impl.loop_counters())
+
+    def stop_loop(self) -> tuple[int, int, int]:
+        """End the loop after its current job; returns the final ``loop_counters()``."""
+        if self._pending is None or self._pending[-1] != "loop":
+            raise RuntimeError("cpu executor: stop_loop() without start_loop()")
+        try:
+            return tuple(self._impl.stop_loop())
+        finally:
+            self._pending = None
 
     def read_bandwidth(self, nbytes: int = 1 << 30, reps: int = 5) -> float:
         """STREAM-style read ceiling of this pool (bytes/s): every worker sums its slice of an fp32
@@ -202,28 +238,47 @@ class CpuExecutor:
     def close(self) -> None:
         """Finish any job and stop the workers."""
         if self._pending is not None:
-            self.wait()
+            self.stop_loop() if self._pending[-1] == "loop" else self.wait()
         self._impl = None
 
 
 class DeviceHandoff:
     """Runs an executor job for tensors living on a CUDA device without blocking the host on the GPU.
 
-    submit(): the stream copies hidden/ids/weights into pinned buffers and then a sequence number into a
-    pinned flag; the workers poll the flag, so the host returns at once and the GPU stream is never
-    stalled. sync(): wait for the CPU, then queue the result's copy up (non-blocking) and return it.
+    submit(): the stream copies hidden/ids/weights into pinned buffers and then a flag value into a
+    pinned word; the workers poll the word, so the host returns at once and the GPU stream is never
+    stalled. sync(): wait for the CPU, then queue the result's upload (non-blocking) and return it.
     The pinned output is safe to reuse: the next job's workers start only after the next flag, which
     the stream writes after this result's upload.
+
+    Fast path (default): one C++ call per submit and per sync, enqueuing the copies with the CUDA
+    driver API (csrc/cuda_driver.h) and the flag as an 8-byte copy from a device ring of values; the
+    torch path (``fast=False``, or when the driver cannot be linked) spends ~6 torch ops per layer.
+    sync() then returns a view of a device buffer that the next sync() overwrites in stream order:
+    consume it on the same stream before that (hybrid adds it at once).
     """
 
+    RING = 64  # flag values cycle 1..RING: consecutive jobs always see a new value
+
     def __init__(self, executor: CpuExecutor, device: torch.device, max_tokens: int, D: int, A: int,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, fast: bool = True):
         self.executor, self.device = executor, device
         self.D, self.A, self.dtype = D, A, dtype
-        self._alloc(max_tokens)
         self.flag_h = torch.zeros(1, dtype=torch.int64).pin_memory()
         self.flag_d = torch.zeros(1, dtype=torch.int64, device=device)
+        self.ring_d = torch.arange(1, self.RING + 1, dtype=torch.int64, device=device)  # [RING]
         self.seq = 0
+        self.T = 0
+        self.fast = self._fast_verified = False
+        self._alloc(max_tokens)
+        if fast:
+            try:
+                self._link()
+                self.fast = True
+            except RuntimeError as exc:
+                log.warning("cpu handoff: driver fast path unavailable, using torch copies (~6 ops per layer): %s", exc)
+        self._stream_of = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # an int, no Stream object
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
 
     def _alloc(self, T: int) -> None:
         self.capacity = T
@@ -231,6 +286,19 @@ class DeviceHandoff:
         self.ids_h = torch.empty((T, self.A), dtype=torch.int64).pin_memory()  # [T, A]
         self.w_h = torch.empty((T, self.A), dtype=torch.float32).pin_memory()  # [T, A]
         self.out_h = torch.empty((T, self.D), dtype=torch.float32).pin_memory()  # [T, D]
+        self.out_d = torch.empty((T, self.D), dtype=torch.float32, device=self.device)  # [T, D] upload target
+        self._out_views = [self.out_d[:t] for t in range(T + 1)]
+
+    def _link(self) -> None:
+        layers = self.executor.banks.layers
+        self.executor._impl.link_device(self.hidden_h, self.ids_h, self.w_h, self.out_h, self.flag_h,
+                                        self.ring_d.data_ptr(), self.RING,
+                                        [lb.tensors["gate_up"] for lb in layers], [lb.tensors["down"] for lb in layers])
+
+    def _stream(self) -> int:
+        if self._stream_of is not None:
+            return self._stream_of(self._index)
+        return torch.cuda.current_stream(self.device).cuda_stream
 
     def submit(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
         """hidden [T, D] · ids [T, A] (-1 = not for the CPU) · weights [T, A], all on ``device``."""
@@ -238,6 +306,30 @@ class DeviceHandoff:
         if T > self.capacity:
             torch.cuda.current_stream(self.device).synchronize()  # old buffers may still be in flight
             self._alloc(max(T, 2 * self.capacity))
+            if self.fast:
+                self._link()
+        if self.fast:
+            if hidden.dtype != self.dtype:
+                hidden = hidden.to(self.dtype)
+            if ids.dtype != torch.int64:
+                ids = ids.long()
+            if weights.dtype != torch.float32:
+                weights = weights.float()
+            ex = self.executor
+            if ex._pending is not None:
+                raise RuntimeError("cpu handoff: submit() while a job is in flight; call sync() first")
+            try:
+                ex._impl.device_submit(layer, hidden.contiguous(), ids.contiguous(), weights.contiguous(),
+                                       self._stream())
+                ex._pending = (hidden, ids, weights, None, "device")
+                self.T = T
+                return
+            except RuntimeError as exc:  # nothing was dispatched; before a first success, fall back
+                if self._fast_verified:
+                    raise
+                log.warning("cpu handoff: driver fast path failed on first use, using torch copies: %s", exc)
+                self.fast = False
+                self.seq = self.RING  # torch-path flag values start above any ring value already written
         self.hidden_h[:T].copy_(hidden, non_blocking=True)
         self.ids_h[:T].copy_(ids, non_blocking=True)
         self.w_h[:T].copy_(weights, non_blocking=True)
@@ -248,9 +340,20 @@ class DeviceHandoff:
                              ready=self.flag_h, ready_value=self.seq)
 
     def sync(self) -> torch.Tensor:
-        """Wait for the CPU job; returns its ``out [T, D]`` fp32 on ``device`` (copy queued on the stream)."""
-        out = self.executor.wait()
-        return out.to(self.device, non_blocking=True)
+        """Wait for the CPU job; returns its ``out [T, D]`` fp32 on ``device`` (upload queued on the stream)."""
+        if not self.fast:
+            out = self.executor.wait()
+            return out.to(self.device, non_blocking=True)
+        ex = self.executor
+        if ex._pending is None:
+            raise RuntimeError("cpu handoff: sync() without a submitted job")
+        try:
+            ex.last_ready_ns, ex.last_done_ns, ex.last_experts, ex.last_routes = ex._impl.device_sync(
+                self.out_d.data_ptr(), self._stream())
+        finally:
+            ex._pending = None
+        self._fast_verified = True
+        return self._out_views[self.T]
 
 
 class GraphHandoff:
@@ -284,15 +387,14 @@ class GraphHandoff:
 
     def submit(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
         """hidden [T, D] · ids [T, A] (-1 = not for the CPU) · weights [T, A] on the device; T <= max_tokens."""
-        from kernels.cpu_handoff import signal_cpu
+        from kernels.cpu_handoff import stage_and_signal
 
         T = hidden.shape[0]
         if T > self.capacity:
             raise ValueError(f"graph handoff: {T} tokens exceed the {self.capacity} rows of its pinned buffers")
-        self.hidden_h[:T].copy_(hidden, non_blocking=True)
-        self.ids_h[:T].copy_(ids, non_blocking=True)
-        self.w_h[:T].copy_(weights, non_blocking=True)
-        signal_cpu(self.seq, self.job_h, layer, T, self.stamps)  # after the copies, in stream order
+        # one kernel stores the inputs into the pinned buffers (UVA), fences, then writes the job word
+        stage_and_signal(self.seq, self.job_h, layer, hidden, ids, weights, self.hidden_h, self.ids_h, self.w_h,
+                         self.stamps)
 
     def sync_add(self, layer: int, part: torch.Tensor, cache_counters: tuple[torch.Tensor, torch.Tensor] | None = None
                  ) -> torch.Tensor:

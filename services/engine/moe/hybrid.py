@@ -17,12 +17,18 @@ copy time of the fetched experts, the CPU compute time and c_sync, and moves f s
 together; at f = 1 (CPU cannot help) layers run as plain offload, with no CPU submit at all.
 `--moe-hybrid-max-fetch N >= 0` fixes the split instead: fetch at most N misses per layer.
 
-Two handoffs on CUDA (TANDEM_HYBRID_GRAPHS): eager (DeviceHandoff: Python submits and waits per layer,
-so decode cannot be a CUDA graph) and graph mode (GraphHandoff: the stream writes a pinned job word, the
-executor's poller thread runs the job, a kernel waits for the done word; capturable, so the runner
-replays decode as a graph and a background thread corrects the split from the poller's and the
-kernels' timings). Eager steps ~20 launches x 48 layers x 18.6 us ~ 18 ms/token (DESIGN.md §6), which
-is why graph mode exists.
+Two handoffs on CUDA (TANDEM_HYBRID_GRAPHS): eager, the default (DeviceHandoff: one C++ call submits,
+enqueuing the input copies and a ready flag through the CUDA driver API, one call waits and enqueues the
+upload; decode is not a CUDA graph) and graph mode (GraphHandoff, TANDEM_HYBRID_GRAPHS=1: the stream
+writes a pinned job word, executor worker 0 runs the job, a kernel waits for the done word; capturable,
+so the runner replays decode as a graph and a background thread corrects the split from the executor's
+and the kernels' timings).
+Measured on the H200 host before the current handoffs: eager c_sync 123 us/layer (~6 torch ops), graph
+mode 533 us/layer (a separate poller thread beside 15 pinned spinning workers and the spinning driver
+thread: 17 spinners on 16 cores). Both were reworked (fast eager path; the poller is now worker 0);
+eager stays the default until benchmarks/bench_cpu_executor.py shows graph mode's c_sync below eager's
+(its docstring has the predicted numbers). The eager layer also skips the GPU-weight masking (CPU
+routes have slot -1, which the GPU kernels skip) and sums in place: 5 launches fewer per layer.
 """
 
 from __future__ import annotations
@@ -124,6 +130,7 @@ class HybridBackend:
         self.routes = {"gpu": 0, "cpu": 0}
         self.totals = {"cpu_jobs": 0, "cpu_experts": 0, "cpu_routes": 0, "split_steps": 0}
         self._step: dict | None = None
+        self._events: dict[tuple[int, int], torch.cuda.Event] = {}
         self._calibrate_c_sync()
         self._stop = threading.Event()
         if self.graph_mode:
@@ -155,16 +162,17 @@ class HybridBackend:
             self.handoff.submit(moe_layer, hidden, cpu_ids, topk_weights)
         else:
             self.executor.submit(hidden, cpu_ids, topk_weights, moe_layer)
-        t0 = self._mark()
+        marks = step["fetch_marks"]
+        t0 = self._mark(moe_layer, 0)
         self.cache.copy_missing(max_jobs=topk_ids.numel())
-        step["fetch_marks"].append((t0, self._mark()))
-        gpu_w = torch.where(slot_ids >= 0, topk_weights, torch.zeros_like(topk_weights))  # CPU routes: weight 0
+        marks.append((t0, self._mark(moe_layer, 1)))
+        # CPU routes have slot -1, which the GPU kernels skip (no weight masking needed: 3 launches saved)
         gate_up, down = self.cache.slot_banks["gate_up"], self.cache.slot_banks["down"]  # [S, 2I, D], [S, D, I]
         if hidden.is_cuda:
-            part = moe_decode(hidden, slot_ids, gpu_w, gate_up, down)  # [T, D]
+            part = moe_decode(hidden, slot_ids, topk_weights, gate_up, down)  # [T, D]
             cpu_part = self.handoff.sync()  # [T, D] fp32 on the device
         else:
-            part = moe_grouped(hidden, slot_ids, gpu_w, gate_up, down)
+            part = moe_grouped(hidden, slot_ids, topk_weights, gate_up, down)
             cpu_part = self.executor.wait()
         ex = self.executor
         step["cpu_s"] += ex.last_compute_seconds
@@ -176,7 +184,8 @@ class HybridBackend:
         if self.count_routes:
             self.routes["gpu"] += int((slot_ids >= 0).sum())
             self.routes["cpu"] += ex.last_routes
-        return (part.float() + cpu_part).to(hidden.dtype)
+        # one launch: the sum in fp32, rounded once into part's dtype (== (part.float() + cpu_part).to(dtype))
+        return torch.add(part, cpu_part, out=part) if part.dtype == hidden.dtype else (part.float() + cpu_part).to(hidden.dtype)
 
     def _forward_graph(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor) -> torch.Tensor:
@@ -186,10 +195,9 @@ class HybridBackend:
         slot_ids, cpu_ids = self._ensure(layer, topk_ids)  # [T, A] each
         self.handoff.submit(layer, hidden, cpu_ids, topk_weights)
         self.cache.copy_missing(max_jobs=topk_ids.numel())
-        gpu_w = torch.where(slot_ids >= 0, topk_weights, torch.zeros_like(topk_weights))  # CPU routes: weight 0
-        gate_up, down = self.cache.slot_banks["gate_up"], self.cache.slot_banks["down"]
+        gate_up, down = self.cache.slot_banks["gate_up"], self.cache.slot_banks["down"]  # CPU routes: slot -1, skipped
         state = self.cache.state
-        out = self.handoff.sync_add(layer, moe_decode(hidden, slot_ids, gpu_w, gate_up, down),  # [T, D]
+        out = self.handoff.sync_add(layer, moe_decode(hidden, slot_ids, topk_weights, gate_up, down),  # [T, D]
                                     cache_counters=(state.misses, state.fetched))
         if self.count_routes and not torch.cuda.is_current_stream_capturing():
             torch.cuda.synchronize(self.device)
@@ -242,10 +250,13 @@ class HybridBackend:
             from kernels.ensure_experts_hybrid import ensure_experts_hybrid_reference as ensure
         return ensure(self.cache.state, layer, topk_ids, self.f_q16, self.max_fetch)
 
-    def _mark(self):
-        """A fetch-time mark: a CUDA event on the stream (read a step later, no sync) or a host clock."""
+    def _mark(self, layer: int, which: int):
+        """A fetch-time mark: a CUDA event on the stream (read when the step is closed, no sync) or a host
+        clock. Events are made once per (layer, start|end) and re-recorded: creating one costs a driver call."""
         if self.device.type == "cuda":
-            ev = torch.cuda.Event(enable_timing=True)
+            ev = self._events.get((layer, which))
+            if ev is None:
+                ev = self._events[(layer, which)] = torch.cuda.Event(enable_timing=True)
             ev.record()
             return ev
         return time.perf_counter()

@@ -41,15 +41,15 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
-        use_graphs = device.type == "cuda" and env("TANDEM_CUDA_GRAPHS") != "0" and getattr(
-            loaded.model.backend, "cuda_graph_safe", backend_name in GRAPH_SAFE_BACKENDS)
+        # Graphs are allowed on CUDA unless turned off; they are captured while the backend is graph-safe
+        # (`auto` may swap backends later and call recapture()).
+        self.graphs_enabled = device.type == "cuda" and env("TANDEM_CUDA_GRAPHS") != "0"
+        self._graph_safe_default = backend_name in GRAPH_SAFE_BACKENDS
         # one spare slot for the padding rows of graph replays
-        self.kv = KVCache(loaded.spec, num_slots + int(use_graphs), max_seq_len, device, dtype)
+        self.kv = KVCache(loaded.spec, num_slots + int(self.graphs_enabled), max_seq_len, device, dtype)
         self.num_slots = num_slots
-        self.graphs_enabled = use_graphs
-        if use_graphs:
-            self.graphs = DecodeGraphs(self.model, self.kv, max_batch=num_slots, pad_slot=num_slots)
-            self.graphs.capture()
+        if self.graphs_enabled:
+            self._capture()
 
     def recapture(self) -> None:
         """Capture the decode graphs again after the expert backend was rebuilt (an `auto` profile
@@ -58,11 +58,14 @@ class ModelRunner:
             return
         self.graphs = None
         torch.cuda.empty_cache()
-        if getattr(self.model.backend, "cuda_graph_safe", True):
+        self._capture()
+
+    def _capture(self) -> None:
+        if getattr(self.model.backend, "cuda_graph_safe", self._graph_safe_default):
             self.graphs = DecodeGraphs(self.model, self.kv, max_batch=self.num_slots, pad_slot=self.num_slots)
             self.graphs.capture()
         else:
-            log.info("expert backend is not CUDA-graph safe: decode runs eagerly")
+            log.info("expert backend is not CUDA-graph safe: decode steps run eagerly")
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int]:

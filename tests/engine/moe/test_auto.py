@@ -75,3 +75,25 @@ def test_profile_picks_hybrid_and_reload_switches(qwen3, tmp_path, monkeypatch):
     assert result["rebuilt"] and result["auto"]["chosen"] == "offload"
     assert isinstance(backend.inner, OffloadBackend)
     assert greedy_generate(lm, PROMPT, NEW_TOKENS) == expected
+
+
+@pytest.mark.parametrize("faster, rebuilds", [("offload", 1), ("hybrid", 2)])
+def test_online_verdict_keeps_the_measured_faster(faster, rebuilds, qwen3, tmp_path, monkeypatch):
+    """The profile says hybrid; step times then decide. Tokens stay right across the rebuilds."""
+    lm, model_dir, expected = qwen3
+    monkeypatch.setenv("TANDEM_PROFILES_DIR", str(tmp_path))
+    monkeypatch.setattr(auto, "gpu_uuid", lambda device: GPU)
+    P.write_profile(fp32_profile(cpu_ov=200.0, pcie_ov=20.0), tmp_path)
+    backend = auto_backend_for(lm, model_dir)
+    assert backend.current == "hybrid"
+    seen_rebuilds, steps = 0, 0
+    while not backend.settled and steps < 4 * (auto.WARMUP_STEPS + auto.TRIAL_STEPS):
+        seconds = 0.002 if backend.current == faster else 0.010  # per step of 2 tokens below
+        seen_rebuilds += backend.observe_decode_step(seconds, tokens=2)
+        steps += 1
+    assert backend.settled and backend.current == faster and seen_rebuilds == rebuilds
+    measured = backend.stats()["auto"]["measured_s_per_token"]
+    assert measured[faster] == pytest.approx(0.001) and measured[auto.OTHER[faster]] == pytest.approx(0.005)
+    lm.model.set_backend(backend)
+    assert greedy_generate(lm, PROMPT, NEW_TOKENS) == expected
+    assert backend.observe_decode_step(1.0, tokens=1) is False  # settled: no more switching

@@ -153,19 +153,56 @@ def test_physical_cpus_are_allowed_and_distinct():
     assert cpus and len(set(cpus)) == len(cpus) and set(cpus) <= os.sched_getaffinity(0)
 
 
+def test_loop_mode_counts_every_job(executors):
+    """start_loop runs jobs back to back (row k % N of the ids table) until stop_loop; the counters add
+    up the distinct experts each job read, and the pool takes ordinary jobs again afterwards."""
+    banks, hidden, ids, weights = make_case(2, 2, 6, 32, 16, torch.float32, drop=0.0)
+    table = torch.tensor([[[0, 1], [1, 2]], [[3, 3 - 1], [-1, -1]], [[5, -1], [5, 4]]])  # [N=3, T=2, A=2]
+    experts = [3, 2, 2]  # distinct ids >= 0 per row
+    ex = executors(banks)
+    ex.start_loop(hidden, table, weights)
+    with pytest.raises(RuntimeError, match="in flight"):
+        ex.submit(hidden, ids, weights)
+    jobs0, _, t0 = ex.loop_counters()
+    while ex.loop_counters()[0] < 7:
+        pass
+    jobs, nbytes, t1 = ex.stop_loop()
+    assert jobs >= 7 and t1 > t0 and jobs >= jobs0
+    assert nbytes == sum(experts[k % 3] for k in range(jobs)) * banks.expert_nbytes()
+    torch.testing.assert_close(ex.forward(0, hidden, ids, weights), reference(banks, hidden, ids, weights),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_polling_starts_and_stops_cleanly(executors):
+    """Graph mode runs on worker 0 (no poller thread): switching it on and off leaves the pool usable."""
+    banks, hidden, ids, weights = make_case(1, 2, 4, 32, 16, torch.float32)
+    ex = CpuExecutor(banks, num_threads=2, spin_us=0)  # workers asleep: worker 0 must wake to poll
+    for _ in range(2):
+        hand = GraphHandoff(ex, torch.device("cpu"), 1, 32, 2, torch.float32)
+        hand.close()
+        torch.testing.assert_close(ex.forward(0, hidden, ids, weights), reference(banks, hidden, ids, weights),
+                                   atol=1e-4, rtol=1e-4)
+    ex.close()
+
+
 @pytest.mark.gpu
-def test_device_handoff_matches_reference(executors):
+@pytest.mark.parametrize("fast", [True, False])
+def test_device_handoff_matches_reference(executors, fast):
+    """Both handoffs (driver-API fast path, torch copies) over several layers, token counts and a
+    buffer growth; the fast path must really be in use where asked for."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    banks, hidden, ids, weights = make_case(6, 4, 8, 64, 32, torch.bfloat16)
+    dev = torch.device("cuda")
+    banks, _, _, _ = make_case(6, 4, 8, 64, 32, torch.bfloat16)
     for t in banks.layers[0].tensors.values():
         t.data = t.pin_memory()
-    dev = torch.device("cuda")
-    hand = DeviceHandoff(executors(banks), dev, 2, 64, 4, torch.bfloat16)  # grows to T=6
-    for _ in range(3):
+    hand = DeviceHandoff(executors(banks), dev, 2, 64, 4, torch.bfloat16, fast=fast)  # grows to T=6
+    assert hand.fast == fast
+    for seed, T in enumerate([1, 2, 6, 3, 1, 6] * 12):  # > RING jobs: the flag values wrap
+        _, hidden, ids, weights = make_case(T, 4, 8, 64, 32, torch.bfloat16, seed=seed)
         hand.submit(0, hidden.to(dev), ids.to(dev), weights.to(dev))
-        out = hand.sync()
-    torch.testing.assert_close(out.cpu(), reference(banks, hidden, ids, weights), atol=2e-2, rtol=2e-2)
+        out = hand.sync().clone()  # the fast path's buffer is reused by the next sync
+        torch.testing.assert_close(out.cpu(), reference(banks, hidden, ids, weights), atol=2e-2, rtol=2e-2)
 
 
 def test_graph_handoff_protocol(executors):
@@ -229,3 +266,66 @@ def test_build_failure_names_the_cause(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match=r"building the C\+\+ extension from .*broken\.cpp in .*build failed") as err:
         mod.build_extension()
     assert "broken.cpp" in str(err.value) and "Error" in str(err.value)
+
+
+_FAKE_DRIVER_SCRIPT = r"""
+import ctypes, sys
+import torch
+lib = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)  # soname libcuda.so.1: what the executor dlopens
+from services.engine.moe.banks import ExpertBanks, ExpertFormat
+from services.engine.moe.cpu_executor import CpuExecutor
+from services.engine.moe.reference import moe_reference
+L, E, D, I, A, CAP = 2, 6, 40, 24, 2, 4
+g = torch.Generator().manual_seed(5)
+banks = ExpertBanks.allocate(ExpertFormat.UNQUANTIZED, L, E, D, I, torch.float32)
+for lb in banks.layers:
+    for t in lb.tensors.values():
+        t.copy_(torch.randn(t.shape, generator=g) / t.shape[-1] ** 0.5)
+ex = CpuExecutor(banks, num_threads=2, spin_us=50)
+bufs = [torch.zeros(CAP, D), torch.zeros(CAP, A, dtype=torch.int64), torch.zeros(CAP, A), torch.zeros(CAP, D),
+        torch.zeros(1, dtype=torch.int64)]
+ring = torch.arange(1, 4, dtype=torch.int64)  # 3 flag values: wraps within the run
+ex._impl.link_device(*bufs, ring.data_ptr(), 3, [lb.tensors["gate_up"] for lb in banks.layers],
+                     [lb.tensors["down"] for lb in banks.layers])
+keep = []
+for step in range(12):
+    layer, T = step % L, 1 + step % CAP
+    hidden, ids = torch.randn(T, D, generator=g), torch.randint(-1, E, (T, A), generator=g)
+    w = torch.rand(T, A, generator=g)
+    out_d = torch.full((CAP, D), float("nan"))
+    keep.append((hidden, ids, w, out_d))  # the "stream" reads them later
+    ex._impl.device_submit(layer, hidden, ids, w, 4242)
+    ready_ns, done_ns, experts, routes = ex._impl.device_sync(out_d.data_ptr(), 4242)
+    lib.fake_sync()
+    G = lambda k: banks.layers[layer].tensors[k]
+    want = moe_reference(hidden, ids, w, G("gate_up"), G("down"))
+    torch.testing.assert_close(out_d[:T], want, atol=1e-4, rtol=1e-4)
+    assert out_d[T:].isnan().all() and routes == int((ids >= 0).sum()) and done_ns >= ready_ns
+assert lib.fake_calls() == 12 * 5 and lib.fake_last_stream() == 4242
+try:
+    ex._impl.device_submit(0, torch.zeros(CAP + 1, D), torch.zeros(CAP + 1, A, dtype=torch.int64),
+                           torch.zeros(CAP + 1, A), 4242)
+    raise SystemExit("an oversized job was accepted")
+except RuntimeError as exc:
+    assert "exceed the handoff" in str(exc), exc
+ex.close()
+print("FAKE-DRIVER-OK")
+"""
+
+
+def test_eager_device_handoff_through_a_stand_in_driver(tmp_path):
+    """The driver-API eager handoff (link_device / device_submit / device_sync), end to end on the CPU:
+    a stand-in libcuda.so.1 runs every async copy late on a FIFO "stream" thread, so a job that did not
+    wait for its ring flag value, a wrong copy size or an upload of the wrong rows fails the comparison.
+    In a subprocess: the stand-in must not be seen by anything else in the test session."""
+    import subprocess
+    import sys
+
+    lib = tmp_path / "libcuda.so.1"
+    src = os.path.join(os.path.dirname(__file__), "fake_cuda_driver.c")
+    subprocess.run(["gcc", "-O1", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(lib), src, "-lpthread"],
+                   check=True)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    run = subprocess.run([sys.executable, "-c", _FAKE_DRIVER_SCRIPT, str(lib)], capture_output=True, text=True,
+                         cwd=root, timeout=300)
+    assert run.returncode == 0 and "FAKE-DRIVER-OK" in run.stdout, run.stdout + run.stderr

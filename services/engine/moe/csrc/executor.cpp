@@ -11,12 +11,24 @@
 //      parallelism *inside* each expert GEMV, so all cores stream expert bytes; SwiGLU is fused;
 //   2. down: the D output rows are split over the threads; each thread sums its rows over all experts.
 // submit() returns at once; wait() blocks (GIL released) until the job is done.
+//
+// Three ways to feed jobs besides submit():
+//   - eager device handoff (device_submit / device_sync): one call enqueues the device-to-host input
+//     copies and the ready flag's copy on the caller's CUDA stream through the driver API, and one
+//     call waits and enqueues the result's upload (cuda_driver.h says why not torch ops);
+//   - graph mode (start_polling): worker 0 itself watches a pinned job word the GPU writes (no extra
+//     thread: a spinning poller beside one spinning worker per core oversubscribes the cores and
+//     time-slices every layer);
+//   - loop mode (start_loop): jobs back to back on the workers until stop_loop(), for measuring the
+//     executor's bandwidth while something else (PCIe copies) runs, with no Python in the loop.
 #include <torch/extension.h>
 
 #include <pthread.h>
 #include <sched.h>
+#include <sys/prctl.h>
 #include <immintrin.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -28,8 +40,10 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
+#include "cuda_driver.h"
 #include "gemv.h"
 
 namespace tandem {
@@ -111,6 +125,9 @@ struct Job {
   int G = 0, R = 0;
   std::string error;
   int64_t t_ready_ns = 0, t_done_ns = 0;
+  // loop mode: `ids` holds [rows, T, A]; each job reads row `loop_row` (element offset ids_offset)
+  bool loop = false, again = false;
+  int64_t ids_offset = 0, loop_row = 0, loop_rows = 1;
 };
 
 class Executor {
@@ -128,10 +145,7 @@ class Executor {
     }
   }
   ~Executor() {
-    if (polling_) {
-      polling_ = false;
-      poller_.join();
-    }
+    end_polling();
     {
       std::lock_guard<std::mutex> g(m_);
       stop_ = true;
@@ -189,7 +203,9 @@ class Executor {
     j.T = T; j.A = A; j.D = D; j.I = I; j.E = E;
     j.wdt = gate_up.scalar_type() == torch::kBFloat16 ? WDtype::BF16 : WDtype::F32;
     const size_t Rmax = static_cast<size_t>(T * A);
-    j.count.assign(E, 0);
+    j.count.resize(E);  // prepare() zeroes it
+    j.loop = false;
+    j.ids_offset = 0;
     j.group_expert.resize(Rmax + 1);
     j.group_start.resize(Rmax + 2);
     j.route_tok.resize(Rmax); j.route_w.resize(Rmax); j.w_f32.resize(Rmax);
@@ -214,10 +230,10 @@ class Executor {
 
  public:
   // ---- graph mode ------------------------------------------------------------------------------
-  // No Python per layer: a poller thread watches a pinned job word that the GPU stream writes after
-  // copying the inputs down (seq << 20 | T << 10 | layer), runs the job on the pool and then writes
-  // seq to the pinned done word, which a GPU kernel polls before adding the output. Capturable in a
-  // CUDA graph because every step of the handoff is a copy or a kernel.
+  // No Python per layer: worker 0, when idle, watches a pinned job word that the GPU stream writes after
+  // copying the inputs down (seq << 20 | T << 10 | layer), runs the job on the pool and then writes seq
+  // to the pinned done word, which a GPU kernel polls before adding the output. Capturable in a CUDA
+  // graph because every step of the handoff is a copy or a kernel.
   void start_polling(torch::Tensor job_word, torch::Tensor done_word, torch::Tensor hidden, torch::Tensor ids,
                      torch::Tensor weights, torch::Tensor out, std::vector<torch::Tensor> gate_ups,
                      std::vector<torch::Tensor> downs) {
@@ -229,15 +245,17 @@ class Executor {
     TORCH_CHECK(gate_ups.size() < 1024 && hidden.size(0) < 1024, "cpu executor: graph mode encodes layer and T in 10 bits");
     poll_ = PollState{job_word, done_word, hidden, ids, weights, out, std::move(gate_ups), std::move(downs)};
     poll_.last_seq = done_word.data_ptr<int64_t>()[0];
-    polling_ = true;
-    poller_ = std::thread([this] { poll_loop(); });
+    poll_idle_since_ = now_ns();
+    {
+      std::lock_guard<std::mutex> g(m_);
+      polling_ = true;
+    }
+    cv_start_.notify_all();  // worker 0 may be asleep
   }
 
   void stop_polling() {
-    if (!polling_) return;
-    polling_ = false;
     pybind11::gil_scoped_release nogil;
-    poller_.join();
+    end_polling();
   }
 
   // (jobs, compute ns, experts, routes, last seq) since start_polling, and the last error ("" if none)
@@ -254,60 +272,208 @@ class Executor {
     std::string error;
   };
 
-  void poll_loop() {
+  void end_polling() {
+    {
+      std::lock_guard<std::mutex> g(m_);
+      polling_ = false;
+    }
+    while (in_poll_.load()) _mm_pause();  // worker 0 finishes the job it is running, if any
+  }
+
+  // Worker 0 in graph mode: one look at the job word; runs the job on the whole pool if there is one.
+  // Returns false when polling is off (the caller goes back to waiting for submit()'s jobs).
+  bool poll_step(uint64_t& seen) {
+    in_poll_.store(true);  // seq_cst pair with end_polling(): polling_ is re-read after this store
+    if (!polling_.load()) {
+      in_poll_.store(false);
+      return false;
+    }
     auto* job = reinterpret_cast<volatile int64_t*>(poll_.job_word.data_ptr<int64_t>());
     auto* done = reinterpret_cast<volatile int64_t*>(poll_.done_word.data_ptr<int64_t>());
-    int64_t idle_since = now_ns();
-    while (polling_) {
-      const int64_t w = *job, seq = w >> 20;
-      if (seq <= poll_.last_seq) {  // idle: spin while layers come back to back, then nap
-        if (now_ns() - idle_since < 2000000) _mm_pause();
-        else std::this_thread::sleep_for(std::chrono::microseconds(20));
-        continue;
-      }
-      std::atomic_thread_fence(std::memory_order_acquire);
-      const int64_t T = (w >> 10) & 1023, layer = w & 1023;
-      std::string err;
-      try {
-        TORCH_CHECK(layer < (int64_t)poll_.gate_ups.size() && T <= poll_.hidden.size(0),
-                    "graph-mode job word names layer ", layer, " and T=", T, " beyond the registered buffers");
-        setup_job(poll_.hidden.narrow(0, 0, T), poll_.ids.narrow(0, 0, T), poll_.weights.narrow(0, 0, T),
-                  poll_.gate_ups[layer], poll_.downs[layer], poll_.out.narrow(0, 0, T), torch::Tensor(), 0);
-        dispatch();
-        while (remaining_.load(std::memory_order_acquire) != 0) _mm_pause();
-        busy_ = false;
-        err = job_.error;
-      } catch (const c10::Error& e) {
-        err = e.what_without_backtrace();
-      } catch (const std::exception& e) {
-        err = e.what();
-      }
-      if (!err.empty()) {
-        busy_ = false;
-        job_.G = job_.R = 0;
-        job_.t_done_ns = job_.t_ready_ns;
-      }
-      {
-        std::lock_guard<std::mutex> g(poll_m_);
-        poll_.jobs += 1;
-        poll_.compute_ns += job_.t_done_ns - job_.t_ready_ns;
-        poll_.experts += job_.G;
-        poll_.routes += job_.R;
-        poll_.last_seq = seq;
-        if (!err.empty()) poll_.error = err;  // the GPU still gets its done word: never hang the stream
-      }
-      job_.hidden = job_.ids = job_.weights = job_.gate_up = job_.down = job_.out = torch::Tensor();
-      std::atomic_thread_fence(std::memory_order_release);
-      *done = seq;
-      idle_since = now_ns();
+    const int64_t w = *job, seq = w >> 20;
+    if (seq <= poll_.last_seq) {  // idle: spin while layers come back to back, then nap
+      in_poll_.store(false);
+      if (now_ns() - poll_idle_since_ < 2000000) _mm_pause();
+      else std::this_thread::sleep_for(std::chrono::microseconds(10));  // timer slack set to 1 us
+      return true;
     }
+    std::atomic_thread_fence(std::memory_order_acquire);
+    const int64_t T = (w >> 10) & 1023, layer = w & 1023;
+    std::string err;
+    try {
+      TORCH_CHECK(layer < (int64_t)poll_.gate_ups.size() && T <= poll_.hidden.size(0),
+                  "graph-mode job word names layer ", layer, " and T=", T, " beyond the registered buffers");
+      setup_job(poll_.hidden.narrow(0, 0, T), poll_.ids.narrow(0, 0, T), poll_.weights.narrow(0, 0, T),
+                poll_.gate_ups[layer], poll_.downs[layer], poll_.out.narrow(0, 0, T), torch::Tensor(), 0);
+    } catch (const c10::Error& e) {
+      err = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+    if (err.empty()) {
+      busy_ = true;
+      remaining_.store(n_, std::memory_order_relaxed);
+      {
+        std::lock_guard<std::mutex> g(m_);
+        seen = gen_.fetch_add(1, std::memory_order_release) + 1;
+      }
+      cv_start_.notify_all();  // no syscall unless some worker is asleep
+      run(0);
+      finish_share();
+      while (remaining_.load(std::memory_order_acquire) != 0) _mm_pause();  // all out of run()
+      busy_ = false;
+      err = job_.error;
+    }
+    if (!err.empty()) {
+      job_.G = job_.R = 0;
+      job_.t_done_ns = job_.t_ready_ns;
+    }
+    {
+      std::lock_guard<std::mutex> g(poll_m_);
+      poll_.jobs += 1;
+      poll_.compute_ns += job_.t_done_ns - job_.t_ready_ns;
+      poll_.experts += job_.G;
+      poll_.routes += job_.R;
+      poll_.last_seq = seq;
+      if (!err.empty()) poll_.error = err;  // the GPU still gets its done word: never hang the stream
+    }
+    job_.hidden = job_.ids = job_.weights = job_.gate_up = job_.down = job_.out = torch::Tensor();
+    std::atomic_thread_fence(std::memory_order_release);
+    *done = seq;
+    poll_idle_since_ = now_ns();
+    in_poll_.store(false);
+    return true;
+  }
+
+ public:
+  // ---- eager device handoff ----------------------------------------------------------------------
+  // Pinned inputs/output and the flag, a device ring of flag values (int64 1..ring_len) and every
+  // layer's banks, registered once from the thread that owns the CUDA context.
+  void link_device(torch::Tensor hidden_h, torch::Tensor ids_h, torch::Tensor w_h, torch::Tensor out_h,
+                   torch::Tensor flag_h, int64_t ring_ptr, int64_t ring_len, std::vector<torch::Tensor> gate_ups,
+                   std::vector<torch::Tensor> downs) {
+    if (!driver_ok_) {
+      const std::string why = drv_.load();
+      TORCH_CHECK(why.empty(), "cpu executor: eager device handoff needs the CUDA driver: ", why);
+      driver_ok_ = true;
+    }
+    CudaDriver::CUcontext ctx = nullptr;
+    cu(drv_.ctx_get(&ctx), "cuCtxGetCurrent");
+    TORCH_CHECK(ctx != nullptr, "cpu executor: no current CUDA context on the thread linking the device handoff");
+    for (auto* t : {&hidden_h, &ids_h, &w_h, &out_h, &flag_h})
+      TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->dim() >= 1, "cpu executor: handoff buffers must be contiguous CPU (pinned) tensors");
+    TORCH_CHECK(ids_h.scalar_type() == torch::kInt64 && w_h.scalar_type() == torch::kFloat32 &&
+                out_h.scalar_type() == torch::kFloat32 && flag_h.scalar_type() == torch::kInt64,
+                "cpu executor: handoff buffers must be ids int64, weights/out fp32, flag int64");
+    TORCH_CHECK(ring_ptr != 0 && ring_len >= 2, "cpu executor: the flag ring needs >= 2 device int64 values");
+    TORCH_CHECK(gate_ups.size() == downs.size() && !gate_ups.empty(), "cpu executor: one gate_up and one down bank per layer");
+    const int64_t seq = link_.seq;  // kept across relinks: the next flag value must differ from the word's
+    link_ = DeviceLink{hidden_h, ids_h, w_h, out_h, flag_h, std::move(gate_ups), std::move(downs)};
+    link_.seq = seq;
+    link_.ring = static_cast<CudaDriver::CUdeviceptr>(ring_ptr);
+    link_.ring_len = ring_len;
+    link_.ctx = ctx;
+    link_.views.assign(hidden_h.size(0) + 1, {});
+  }
+
+  // Enqueue on `stream` hidden [T, D], ids [T, A] int64, weights [T, A] fp32 (device, contiguous) ->
+  // pinned buffers, then the next flag value, and start layer `layer`'s job (its workers wait for the flag).
+  void device_submit(int64_t layer, torch::Tensor hidden, torch::Tensor ids, torch::Tensor weights, int64_t stream) {
+    TORCH_CHECK(link_.ctx != nullptr, "cpu executor: device_submit() before link_device()");
+    TORCH_CHECK(!busy_ && !polling_, "cpu executor: device_submit() while a job is in flight or polling is on");
+    const int64_t T = hidden.size(0), D = link_.hidden.size(1), A = link_.ids.size(1);
+    TORCH_CHECK(layer >= 0 && layer < (int64_t)link_.gate_ups.size(), "cpu executor: no banks for layer ", layer);
+    TORCH_CHECK(T >= 1 && T <= link_.hidden.size(0), "cpu executor: ", T, " tokens exceed the handoff's ", link_.hidden.size(0), " rows");
+    TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == D && hidden.scalar_type() == link_.hidden.scalar_type() && hidden.is_contiguous(),
+                "cpu executor: device hidden must be contiguous [T, ", D, "] ", link_.hidden.scalar_type());
+    TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T && ids.size(1) == A && ids.scalar_type() == torch::kInt64 && ids.is_contiguous(),
+                "cpu executor: device ids must be contiguous int64 [T, ", A, "]");
+    TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == torch::kFloat32 && weights.is_contiguous(),
+                "cpu executor: device weights must be contiguous fp32 [T, ", A, "]");
+    // (device-ness is not checked: the CPU tests drive this path through a stand-in driver library)
+    auto& v = link_.views[T];
+    if (!v[0].defined())
+      v = {link_.hidden.narrow(0, 0, T), link_.ids.narrow(0, 0, T), link_.w.narrow(0, 0, T), link_.out.narrow(0, 0, T)};
+    bind_context();
+    auto* s = reinterpret_cast<CudaDriver::CUstream>(stream);
+    auto dptr = [](const torch::Tensor& t) { return reinterpret_cast<CudaDriver::CUdeviceptr>(t.data_ptr()); };
+    cu(drv_.dtoh(link_.hidden.data_ptr(), dptr(hidden), hidden.nbytes(), s), "cuMemcpyDtoHAsync (hidden)");
+    cu(drv_.dtoh(link_.ids.data_ptr(), dptr(ids), ids.nbytes(), s), "cuMemcpyDtoHAsync (ids)");
+    cu(drv_.dtoh(link_.w.data_ptr(), dptr(weights), weights.nbytes(), s), "cuMemcpyDtoHAsync (weights)");
+    const int64_t slot = link_.seq++ % link_.ring_len;  // ring[slot] = slot + 1: differs from the last value
+    cu(drv_.dtoh(link_.flag.data_ptr(), link_.ring + slot * sizeof(int64_t), sizeof(int64_t), s), "cuMemcpyDtoHAsync (flag)");
+    link_.T = T;
+    setup_job(v[0], v[1], v[2], link_.gate_ups[layer], link_.downs[layer], v[3], link_.flag, slot + 1);
+    dispatch();
+  }
+
+  // Wait for the job, then enqueue the upload of its out [T, D] fp32 to `out_ptr` on `stream`.
+  // Returns wait()'s (t_ready_ns, t_done_ns, experts, routes).
+  std::vector<int64_t> device_sync(int64_t out_ptr, int64_t stream) {
+    std::vector<int64_t> r = wait();
+    bind_context();
+    cu(drv_.htod(static_cast<CudaDriver::CUdeviceptr>(out_ptr), link_.out.data_ptr(),
+                 link_.T * link_.out.size(1) * sizeof(float), reinterpret_cast<CudaDriver::CUstream>(stream)),
+       "cuMemcpyHtoDAsync (out)");
+    return r;
+  }
+
+  // ---- loop mode ---------------------------------------------------------------------------------
+  // hidden [T, D] · ids_table [N, T, A] · weights [T, A] · one layer's banks · out [T, D] fp32: jobs run
+  // back to back on the workers, job k reading ids row k % N, until stop_loop().
+  void start_loop(torch::Tensor hidden, torch::Tensor ids_table, torch::Tensor weights, torch::Tensor gate_up,
+                  torch::Tensor down, torch::Tensor out) {
+    TORCH_CHECK(!busy_ && !polling_, "cpu executor: start_loop() while a job is in flight or polling is on");
+    TORCH_CHECK(ids_table.dim() == 3 && ids_table.size(0) >= 1 && ids_table.is_contiguous(),
+                "cpu executor: loop ids must be contiguous [N, T, A]");
+    setup_job(hidden, ids_table.select(0, 0), weights, gate_up, down, out, torch::Tensor(), 0);
+    Job& j = job_;
+    j.ids = ids_table;
+    j.loop = true;
+    j.loop_row = 0;
+    j.loop_rows = ids_table.size(0);
+    loop_stop_.store(false);
+    loop_jobs_.store(0);
+    loop_bytes_.store(0);
+    dispatch();
+  }
+
+  // (jobs, expert bytes read, steady-clock ns now) so far: read twice to get a rate over any window
+  std::vector<int64_t> loop_counters() const { return {loop_jobs_.load(), loop_bytes_.load(), now_ns()}; }
+
+  // Ends the loop after its current job; returns loop_counters() at the end.
+  std::vector<int64_t> stop_loop() {
+    loop_stop_.store(true);
+    wait();
+    return loop_counters();
+  }
+
+ private:
+  struct DeviceLink {
+    torch::Tensor hidden, ids, w, out, flag;
+    std::vector<torch::Tensor> gate_ups, downs;
+    CudaDriver::CUdeviceptr ring = 0;
+    int64_t ring_len = 0, seq = 0, T = 0;
+    CudaDriver::CUcontext ctx = nullptr;
+    std::vector<std::array<torch::Tensor, 4>> views;  // [T] pinned row views, made once per T
+  };
+
+  void cu(CudaDriver::CUresult r, const char* what) const {
+    TORCH_CHECK(r == 0, "cpu executor: ", what, " failed: ", drv_.describe(r));
+  }
+
+  // driver calls need the context current on the calling thread (the runtime binds it lazily)
+  void bind_context() {
+    CudaDriver::CUcontext cur = nullptr;
+    drv_.ctx_get(&cur);
+    if (cur != link_.ctx) cu(drv_.ctx_set(link_.ctx), "cuCtxSetCurrent");
   }
 
  public:
 
   // STREAM-style read of `buf` (fp32, contiguous) by the pool, `reps` times; returns the best seconds.
   double read_seconds(torch::Tensor buf, int64_t reps) {
-    TORCH_CHECK(!busy_, "cpu executor: read_seconds() while a job is in flight");
+    TORCH_CHECK(!busy_ && !polling_, "cpu executor: read_seconds() while a job is in flight or polling is on");
     TORCH_CHECK(buf.scalar_type() == torch::kFloat32 && buf.is_contiguous() && buf.device().is_cpu(),
                 "cpu executor: read buffer must be contiguous fp32 on the CPU");
     double best = 1e30, sink = 0;
@@ -369,22 +535,32 @@ class Executor {
       CPU_SET(cpu, &set);
       pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
     }
+    if (tid == 0) prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // graph-mode naps: 10 us, not 10 + 50
     uint64_t seen = 0;
+    auto polling = [&] { return tid == 0 && polling_.load(std::memory_order_acquire); };
     while (true) {
-      // Spin a while for the next layer's job (decode layers arrive every few hundred µs), then sleep.
+      if (polling() && poll_step(seen)) continue;
+      // Spin a while for the next layer's job (decode layers arrive every few tens of µs), then sleep.
       const int64_t deadline = now_ns() + spin_ns_;
-      while (gen_.load(std::memory_order_acquire) == seen && now_ns() < deadline) _mm_pause();
+      while (gen_.load(std::memory_order_acquire) == seen && !polling() && now_ns() < deadline) _mm_pause();
       if (gen_.load(std::memory_order_acquire) == seen) {
+        if (polling()) continue;
         std::unique_lock<std::mutex> lk(m_);
-        cv_start_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen; });
+        cv_start_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen || polling(); });
+        if (gen_.load(std::memory_order_acquire) == seen) continue;  // woken to poll
       }
       seen = gen_.load(std::memory_order_acquire);
       if (stop_) return;
       run(tid);
-      if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-        std::lock_guard<std::mutex> g(m_);
-        cv_done_.notify_all();
-      }
+      finish_share();
+    }
+  }
+
+  // this thread is out of the job: the last one out wakes a sleeping wait()
+  void finish_share() {
+    if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      std::lock_guard<std::mutex> g(m_);
+      cv_done_.notify_all();
     }
   }
 
@@ -396,14 +572,30 @@ class Executor {
       j.read_sums[tid] = k_.read(j.hidden.data_ptr<float>() + a, b - a);
       return;
     }
-    if (tid == 0) prepare();
-    barrier_.wait();
-    if (!j.error.empty()) return;
-    for_chunks(cursors_[0].get(), tid, kChunkPairs, [this](int64_t a, int64_t b) { gate_up_range(a, b); });
-    barrier_.wait();
-    for_chunks(cursors_[1].get(), tid, kChunkRows, [this](int64_t a, int64_t b) { down_range(a, b); });
-    barrier_.wait();
-    if (tid == 0) j.t_done_ns = now_ns();
+    for (;;) {  // one pass per job; loop mode keeps going (thread 0 prepares the next while others wait)
+      if (tid == 0) prepare();
+      barrier_.wait();
+      if (!j.error.empty()) return;
+      if (j.R == 0 && !j.loop) {  // nothing for the CPU (all routes on the GPU): thread 0 zeroed out
+        if (tid == 0) j.again = false, j.t_done_ns = now_ns();  // one barrier instead of three
+        return;
+      }
+      for_chunks(cursors_[0].get(), tid, kChunkPairs, [this](int64_t a, int64_t b) { gate_up_range(a, b); });
+      barrier_.wait();
+      for_chunks(cursors_[1].get(), tid, kChunkRows, [this](int64_t a, int64_t b) { down_range(a, b); });
+      if (tid == 0) j.again = j.loop && !loop_stop_.load(std::memory_order_relaxed);
+      barrier_.wait();
+      if (tid == 0) {
+        j.t_done_ns = now_ns();
+        if (j.loop) {
+          loop_bytes_.fetch_add((int64_t)j.G * 3 * j.I * j.D * welem(), std::memory_order_relaxed);
+          loop_jobs_.fetch_add(1, std::memory_order_release);
+          j.loop_row = (j.loop_row + 1) % j.loop_rows;
+          j.ids_offset = j.loop_row * j.T * j.A;
+        }
+      }
+      if (!j.again) return;
+    }
   }
 
   // Phase 0 (thread 0): wait for the inputs, group routes by expert, convert inputs.
@@ -412,16 +604,24 @@ class Executor {
     if (j.ready.defined()) {
       auto* flag = reinterpret_cast<volatile int64_t*>(j.ready.data_ptr<int64_t>());
       int64_t spins = 0;
-      while (*flag < j.ready_value) {
+      const int64_t t0 = now_ns();
+      while (*flag != j.ready_value) {  // equality: the eager handoff's flag values cycle through a ring
         _mm_pause();
-        if (++spins % 4096 == 0) sched_yield();  // the GPU may be ms behind the host: don't starve it
+        if (++spins % 4096 == 0) {
+          sched_yield();  // the GPU may be ms behind the host: don't starve it
+          if (now_ns() - t0 > kReadyTimeoutNs) {  // an error beats a hung process
+            j.error = "the ready flag never reached " + std::to_string(j.ready_value) + " (it reads " +
+                      std::to_string(*flag) + " after 30 s): the stream never ran the input copies";
+            return;
+          }
+        }
       }
       std::atomic_thread_fence(std::memory_order_acquire);
     }
     j.t_ready_ns = now_ns();
     const int T = j.T, A = j.A, D = j.D, I = j.I, E = j.E;
     const bool ids64 = j.ids.scalar_type() == torch::kInt64;
-    const void* ids_raw = j.ids.data_ptr();
+    const void* ids_raw = static_cast<const char*>(j.ids.data_ptr()) + j.ids_offset * j.ids.element_size();
     auto id_at = [&](int64_t i) -> int64_t {
       return ids64 ? static_cast<const int64_t*>(ids_raw)[i] : static_cast<const int32_t*>(ids_raw)[i];
     };
@@ -453,9 +653,13 @@ class Executor {
       j.route_w[r] = j.w_f32[i];
     }
     j.G = G; j.R = R;
-    // inputs: fp32 copy, plus bf16 for the dpbf16 kernel
-    to_f32(j.hidden, (int64_t)T * D, j.x_f32.data());
-    if (bf16_x()) for (int64_t i = 0; i < (int64_t)T * D; ++i) j.x_bf16[i] = f32_to_bf16(j.x_f32[i]);
+    // inputs (none to convert without routes): bf16 as is for the dpbf16 kernel, else fp32
+    if (R > 0 && bf16_x() && j.hidden.scalar_type() == torch::kBFloat16) {
+      std::memcpy(j.x_bf16.data(), j.hidden.data_ptr(), (size_t)T * D * sizeof(uint16_t));
+    } else if (R > 0) {
+      to_f32(j.hidden, (int64_t)T * D, j.x_f32.data());
+      if (bf16_x()) for (int64_t i = 0; i < (int64_t)T * D; ++i) j.x_bf16[i] = f32_to_bf16(j.x_f32[i]);
+    }
     float* out = j.out.data_ptr<float>();
     for (int r = 0; r < R; ++r) {
       const int tok = j.route_tok[r];
@@ -464,6 +668,7 @@ class Executor {
       j.h_ptr[r] = &j.h[(size_t)r * 2 * I];
       j.out_ptr[r] = out + (size_t)tok * D;
     }
+    if (R == 0) std::memset(out, 0, (size_t)T * D * sizeof(float));
     reset_cursors(cursors_[0].get(), (int64_t)G * I);
     reset_cursors(cursors_[1].get(), D);
   }
@@ -478,6 +683,7 @@ class Executor {
     std::atomic<int64_t> next{0};
     int64_t end = 0;
   };
+  static constexpr int64_t kReadyTimeoutNs = 30000000000LL;
   static constexpr int64_t kChunkPairs = 16;  // gate+up row pairs: 128 KB of bf16 at D=2048
   static constexpr int64_t kChunkRows = 16;   // down rows, each over every expert of the step
 
@@ -555,8 +761,14 @@ class Executor {
   SpinBarrier barrier_;
   std::unique_ptr<Cursor[]> cursors_[2];  // per thread, phase 1 and phase 2
   std::atomic<bool> polling_{false};
-  std::thread poller_;
+  std::atomic<bool> in_poll_{false};  // worker 0 is inside poll_step()
+  int64_t poll_idle_since_ = 0;
   PollState poll_;
+  CudaDriver drv_;
+  bool driver_ok_ = false;
+  DeviceLink link_;
+  std::atomic<bool> loop_stop_{false};
+  std::atomic<int64_t> loop_jobs_{0}, loop_bytes_{0};
   std::mutex poll_m_;
   std::vector<std::thread> threads_;
   std::mutex m_;
@@ -578,6 +790,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("start_polling", &tandem::Executor::start_polling)
       .def("stop_polling", &tandem::Executor::stop_polling)
       .def("poll_stats", &tandem::Executor::poll_stats)
+      .def("link_device", &tandem::Executor::link_device)
+      .def("device_submit", &tandem::Executor::device_submit)
+      .def("device_sync", &tandem::Executor::device_sync)
+      .def("start_loop", &tandem::Executor::start_loop)
+      .def("stop_loop", &tandem::Executor::stop_loop)
+      .def("loop_counters", &tandem::Executor::loop_counters)
       .def_property_readonly("isa", &tandem::Executor::isa)
       .def_property_readonly("num_threads", &tandem::Executor::num_threads);
   m.def("select_isa", [](std::string force) {
