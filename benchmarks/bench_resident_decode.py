@@ -119,10 +119,10 @@ def decode_graph(lm, kv: KVCache, prompt: list[int], tokens: int, warmup: int) -
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_resident_decode", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="synthetic:qwen3-30b-a3b")
+    p.add_argument("--model", default="synthetic:qwen3-30b-a3b", help="model to load resident on cuda (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=128, help="timed decode tokens")
-    p.add_argument("--warmup", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=8, help="untimed decode tokens first (default: %(default)s)")
+    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens prefilled before decoding (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=512, help="KV window (the graph attends over all of it)")
     p.add_argument("--no-graph", action="store_true", help="eager only")
     p.add_argument("--decode-kernels", default="triton,torch",
