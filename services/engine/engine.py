@@ -133,7 +133,10 @@ class Engine:
         try:
             self._load_model()
         except Exception as exc:  # reported through /health; the process stays up to say why
-            log.exception("loading %s failed", self.config.model)
+            if isinstance(exc, ValueError):  # bad input (LoaderError, a cache too small...): the message says it all
+                log.error("cannot serve %s: %s (GET /health reports it; fix the input and restart)", self.config.model, exc)
+            else:
+                log.exception("loading %s failed", self.config.model)
             self.error = f"{type(exc).__name__}: {exc}"
             self.maintenance = Maintenance.FAILED
             return
