@@ -2,10 +2,40 @@
 (``--model synthetic:NAME[?layers=N]``), so benchmarks need no checkpoint on disk.
 
 Presets are a table of Hugging Face config dicts; they go through the same ModelSpec.from_hf_config
-as a real checkpoint. Weights are N(0, 0.02) (norms 1), filled in place bank by bank and layer by
-layer — no full-size temporaries. On CUDA each bank is generated on the GPU (H200: ~1 TB/s of random
-numbers) and copied into the host bank, or kept on the GPU when the banks are to live there anyway
-(``banks_device``, the resident backend): the 60 GB of Qwen3-30B-A3B then build in seconds.
+as a real checkpoint. Weights are filled in place bank by bank and layer by layer (no full-size
+temporaries). On CUDA each bank is generated on the GPU (H200: ~1 TB/s of random numbers) and copied
+into the host bank, or kept on the GPU when the banks are to live there anyway (``banks_device``, the
+resident backend): the 60 GB of Qwen3-30B-A3B then build in seconds.
+
+Init (``param_std``; norms 1, biases 0) — a plain random init chosen so decode *routes* like a real
+MoE, since offload/hybrid benchmarks on these models measure nothing otherwise:
+  - every matrix N(0, 0.02) (HF's initializer_range), expert gate_up included;
+  - residual-branch outputs (o_proj, down_proj, expert ``down``) N(0, 0.02 / sqrt(2 L)) (GPT-2's
+    scaled init): the summed branches stay the same size whatever the depth, so ``?layers=N`` cuts
+    route like the full model;
+  - embeddings N(0, 0.5), so the current token stays visible in the residual stream of every layer;
+  - router N(0, 1 / sqrt(D)) (LeCun): logits ~N(0, 1) on the normed input, renormalized top-1
+    weight ~0.24 of top-8 (neither uniform nor one-hot).
+Why: the old init (everything 0.02, router 0.2) gave a 1/3 expert cache a 0.000 miss rate on the H200.
+With embeddings of RMS 0.02 against O(1) attention outputs, the stream is the attention average of
+the context: router inputs of consecutive tokens had cos 0.85, 75% of their energy in one constant
+direction, so the second layer touched 40 of 128 experts in 128 tokens, greedy decode looped on a
+few tokens and the router (logit std 9) was near one-hot (top-1 softmax 0.73-0.93). Embeddings at
+N(0, 1) without the depth scaling still collapse past a few layers (the context mean feeds itself
+through attention); with the depth scaling, N(0, 1) makes every layer route at random (miss ~0.70),
+N(0, 0.5) leaves deep layers some of the temporal locality real decode has.
+Measured (CPU, 128 decode tokens, greedy and temperature 0.7/top_p 0.8/top_k 20; "proxy" = share of
+routes outside the first 1/3 experts seen, "LRU" = miss rate of an LRU cache of E/3):
+  qwen3-30b-a3b?layers=2, bf16     old: 83 and 41/128 experts (L0, L1), proxy 0.41 / 0.00,
+                                        greedy 41 distinct tokens of 128
+                                   new: 128/128 experts, proxy 0.55-0.65, LRU 0.68-0.70, 128 tokens
+  ?layers=24 / 48 (I cut to 96 / 48, expert down std raised to keep its output size)
+                                   new: 117-128/128 experts, proxy 0.40-0.65, LRU 0.51-0.72 (falls
+                                        with depth)
+  qwen3-moe-mini (4 layers, fp32)  old: 19-40/128 experts, proxy 0.00; new: 125-127, proxy 0.57-0.62
+Reproduce: ``.venv/bin/python -m pytest tests/engine/models/test_synthetic.py -s -k routing``
+(add ``-m slow`` for the layers=2 real-width cut). A preset that ties its embeddings would make
+lm_head N(0, 0.5) and decode echo its input: none does.
 """
 
 from __future__ import annotations
@@ -30,8 +60,10 @@ from services.engine.moe.banks import BANK_SCHEMAS, ExpertBanks, ExpertFormat, L
 log = get_logger("synthetic")
 
 PREFIX = "synthetic:"
-INIT_STD = 0.02
-ROUTER_STD = 0.2  # larger than INIT_STD so routing depends clearly on the token, not near-uniform
+INIT_STD = 0.02  # Hugging Face's initializer_range: every matrix not named below, and the experts' gate_up
+EMBED_STD = 0.5  # token embeddings: the token stays visible in every layer's stream (docstring)
+ROUTER_LOGIT_STD = 1.0  # router N(0, ROUTER_LOGIT_STD / sqrt(D)): logits ~N(0, 1) on the normed input
+RESIDUAL_SCALED = True  # GPT-2's scaled init: o_proj / down_proj / expert down std INIT_STD / sqrt(2 L)
 
 PRESETS: dict[str, dict] = {
     # vocab_size None = the demo tokenizer's vocabulary, so generated ids decode to text.
@@ -44,6 +76,11 @@ PRESETS: dict[str, dict] = {
                           num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
                           norm_topk_prob=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
                           max_position_embeddings=40960),
+    # Qwen3-30B-A3B's routing geometry (E=128, top-8) at an eighth of the width: CPU tests of routing.
+    "qwen3-moe-mini": dict(model_type="qwen3_moe", num_hidden_layers=4, num_experts=128, num_experts_per_tok=8,
+                           hidden_size=256, moe_intermediate_size=96, intermediate_size=768,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=32000,
+                           norm_topk_prob=True, rope_theta=1000000.0, rms_norm_eps=1e-6),
     "mixtral-8x7b": dict(model_type="mixtral", num_hidden_layers=32, num_local_experts=8, num_experts_per_tok=2,
                          hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=32000, rope_theta=1000000.0, rms_norm_eps=1e-5,
@@ -92,6 +129,18 @@ def _fill_(t: torch.Tensor, std: float, gen: torch.Generator) -> None:
         t.copy_(stage)
 
 
+def param_std(name: str, spec: ModelSpec) -> float:
+    """Standard deviation of the N(0, std) init of the matrix ``name`` (a Hub parameter name, or
+    ``experts.<bank>`` for an expert bank)."""
+    if name.endswith("embed_tokens.weight"):
+        return EMBED_STD
+    if name.endswith(".gate.weight"):  # router; ".gate_proj" does not match
+        return ROUTER_LOGIT_STD / spec.hidden_size ** 0.5
+    if RESIDUAL_SCALED and name.endswith(("o_proj.weight", "down_proj.weight", "experts.down", "w2.weight")):
+        return INIT_STD / (2 * spec.num_layers) ** 0.5
+    return INIT_STD
+
+
 def build_synthetic(model: str, tokenizer_vocab: int, device: torch.device, dtype: torch.dtype, seed: int,
                     banks_device: torch.device | None = None, progress: Callable[[dict], None] | None = None,
                     ) -> tuple[ModelSpec, MoECausalLM, ExpertBanks]:
@@ -113,7 +162,7 @@ def build_synthetic(model: str, tokenizer_vocab: int, device: torch.device, dtyp
             elif name.endswith("bias"):
                 p.zero_()
             else:
-                _fill_(p, ROUTER_STD if name.endswith(".gate.weight") else INIT_STD, gen)
+                _fill_(p, param_std(name, spec), gen)
         D, I, E = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
         fmt = ExpertFormat.UNQUANTIZED
         layers = []
@@ -122,7 +171,7 @@ def build_synthetic(model: str, tokenizer_vocab: int, device: torch.device, dtyp
             tensors = {}
             for bank in BANK_SCHEMAS[fmt]:
                 t = torch.empty((E, *bank.shape(D, I)), dtype=bank.dtype or dtype, device=banks_device or "cpu")
-                _fill_(t, INIT_STD, gen)
+                _fill_(t, param_std(f"experts.{bank.name}", spec), gen)
                 tensors[bank.name] = t
             layers.append(LayerBanks(fmt, tensors))
             if progress is not None:

@@ -9,6 +9,8 @@ from services.engine.config import EngineConfig
 from services.engine.models.errors import LoaderError
 from services.engine.models.registry import load_model
 from services.engine.models.synthetic import synthetic_spec
+from services.engine.runtime.kv_cache import ForwardBatch, KVCache
+from services.engine.runtime.sampler import Sampler, SamplingParams, make_generator
 from tests.helpers import greedy_generate
 
 
@@ -36,6 +38,10 @@ def test_weights_have_the_intended_scale():
     lm = load_model(EngineConfig(model="synthetic:tiny"))
     std = lm.banks.layers[0].tensors["gate_up"].std().item()
     assert 0.015 < std < 0.025
+    # the routing-relevant scales of the module docstring (tiny: D=64, L=2)
+    assert 0.45 < lm.model.model.embed_tokens.weight.std().item() < 0.55
+    assert 0.1 < lm.model.model.layers[0].mlp.gate.weight.std().item() < 0.15  # 1/sqrt(64)
+    assert 0.008 < lm.banks.layers[0].tensors["down"].std().item() < 0.012  # 0.02/sqrt(2*2)
     assert torch.equal(lm.model.model.norm.weight, torch.ones_like(lm.model.model.norm.weight))
 
 
@@ -53,7 +59,7 @@ def test_real_geometries():
 
 
 @pytest.mark.parametrize("model, match", [
-    ("synthetic:nope", r"unknown synthetic preset 'nope' \(presets: tiny, qwen3-30b-a3b, mixtral-8x7b\)"),
+    ("synthetic:nope", r"unknown synthetic preset 'nope' \(presets: tiny, qwen3-30b-a3b, qwen3-moe-mini, mixtral-8x7b\)"),
     ("synthetic:tiny?layers=x", r"layers must be an integer"),
     ("synthetic:tiny?depth=2", r"unknown option 'depth'"),
 ])
@@ -71,3 +77,72 @@ def test_large_vocab_preset_gets_a_tokenizer_that_decodes_every_id(monkeypatch, 
     ids = [0, 500, 31999]  # 31999 lies far past the demo tokenizer's ~700 trained tokens
     assert all(tok.decode([i]) for i in ids)
     assert tok.decode([31999]) == "<|s31999|>"
+
+
+def _decode_routes(lm, n: int, sampling: SamplingParams) -> tuple[list[int], dict[int, list[list[int]]], list[float]]:
+    """(n decoded tokens, {MoE layer: topk_ids row per decode token}, renormalized top-1 weights) with the
+    engine's own forward, KVCache and Sampler; the routes are counted by wrapping the backend's forward."""
+    routes: dict[int, list[list[int]]] = {}
+    top1: list[float] = []
+    backend = lm.model.backend
+    forward = backend.forward
+
+    def counting_forward(moe_layer, hidden, topk_ids, topk_weights):  # [T, D], [T, A], [T, A]
+        if hidden.shape[0] == 1:  # decode steps only (the prefill has the whole prompt)
+            routes.setdefault(moe_layer, []).append(topk_ids[0].tolist())
+            top1.append(float(topk_weights[0].max()))
+        return forward(moe_layer, hidden, topk_ids, topk_weights)
+
+    backend.forward = counting_forward
+    try:
+        prompt = list(range(100, 140))
+        kv = KVCache(lm.spec, 1, len(prompt) + n, lm.device, lm.dtype)
+        sampler, gen = Sampler(), make_generator(0, lm.device)
+        logits = lm.model(torch.tensor(prompt), torch.arange(len(prompt)), ForwardBatch.single(0, 0, len(prompt)), kv)
+        out: list[int] = []
+        for step in range(n):
+            out.append(sampler(logits, [sampling], [gen])[0])
+            pos = len(prompt) + step
+            logits = lm.model(torch.tensor([out[-1]]), torch.tensor([pos]), ForwardBatch.single(0, pos, 1), kv)
+    finally:
+        del backend.forward  # back to the class's method
+    return out, routes, top1
+
+
+def _miss_proxy(rows: list[list[int]], E: int) -> float:
+    """Share of routes whose expert is outside the first E/3 distinct experts seen (a cache holding a
+    third of the experts that never evicts)."""
+    flat = [e for row in rows for e in row]
+    first: list[int] = []
+    for e in flat:
+        if e not in first and len(first) < E // 3:
+            first.append(e)
+    return sum(e not in first for e in flat) / len(flat)
+
+
+@pytest.mark.parametrize("model, dtype, n", [
+    ("synthetic:qwen3-moe-mini", "float32", 64),
+    pytest.param("synthetic:qwen3-30b-a3b?layers=2", "bfloat16", 128, marks=pytest.mark.slow),  # ~1 min
+])
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0, max_tokens=128),
+                                      SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_tokens=128)],
+                         ids=["greedy", "sampled"])
+def test_decode_routing_is_diverse(model, dtype, n, sampling):
+    """Random weights must route like a real MoE (Qwen3-30B-A3B decode touches most of its 128 experts
+    per layer within a few hundred tokens; a third of the experts cached misses ~40-60%), or offload
+    and hybrid benchmarks on synthetic models measure nothing. ``-s`` prints the numbers of the
+    synthetic.py docstring."""
+    lm = load_model(EngineConfig(model=model, dtype=dtype))
+    E, A = lm.spec.num_experts, lm.spec.top_k
+    out, routes, top1 = _decode_routes(lm, n, sampling)
+    assert len(routes) == lm.spec.num_moe_layers and all(len(rows) == n for rows in routes.values())
+    for layer, rows in sorted(routes.items()):
+        unique, proxy = len({e for row in rows for e in row}), _miss_proxy(rows, E)
+        print(f"{model} {'greedy' if sampling.greedy else 'sampled'} layer {layer}: {unique}/{E} experts, "
+              f"1/3-cache miss proxy {proxy:.2f}, distinct tokens {len(set(out))}/{n}")
+        assert unique >= 0.8 * E, f"layer {layer}: only {unique} of {E} experts touched in {n} decode tokens"
+        assert 0.3 <= proxy <= 0.7, f"layer {layer}: miss proxy {proxy:.2f} outside [0.3, 0.7]"
+    assert len(set(out)) >= n // 2, f"decode loops on a few tokens: {len(set(out))} distinct of {n}"
+    # router weights neither uniform (1/A each) nor one-hot
+    mean_top1 = sum(top1) / len(top1)
+    assert 1.2 / A < mean_top1 < 0.6, f"mean renormalized top-1 router weight {mean_top1:.2f}"
