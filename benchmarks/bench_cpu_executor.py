@@ -52,7 +52,8 @@ import time
 import torch
 
 from services.engine.moe.banks import ExpertBanks, ExpertFormat
-from services.engine.moe.cpu_executor import CpuExecutor, DeviceHandoff, GraphHandoff, default_num_threads
+from services.engine.moe.cpu_executor import CpuExecutor, default_num_threads
+from services.engine.moe.cpu_handoff import DeviceHandoff, GraphHandoff
 
 
 def gemv_trial(ex: CpuExecutor, banks: ExpertBanks, A: int, seconds: float, step0: int, tokens: int) -> tuple[float, int]:

@@ -1,4 +1,4 @@
-"""Device side of the graph-mode CPU handoff (services/engine/moe/cpu_executor.py GraphHandoff): two tiny
+"""Device side of the graph-mode CPU handoff (services/engine/moe/cpu_handoff.py GraphHandoff): two tiny
 single-program kernels that talk to the CPU executor's poller through pinned host words (UVA), so a
 hybrid decode layer is all copies and kernels and can be captured in a CUDA graph.
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from services.engine.config import EngineConfig
+from services.engine.models.registry import build_backend
 from services.engine.runtime.kv_cache import ForwardBatch, KVCache
 
 
@@ -28,6 +30,16 @@ def greedy_generate(loaded, prompt_ids: list[int], n: int, slot: int = 0) -> lis
         pos = len(prompt_ids) + step
         logits = loaded.model(torch.tensor([token], device=loaded.device), torch.tensor([pos], device=loaded.device),
                               ForwardBatch.single(slot, pos, 1), kv)
+    return out
+
+
+def resident_greedy(loaded: dict, hf_checkpoints: dict, prompts: dict[str, list[int]], n: int) -> dict[str, dict[str, list[int]]]:
+    """{arch: {prompt name: n greedy tokens}} with the `resident` backend attached to each model of
+    ``loaded``: the reference the offloading backends must reproduce token for token."""
+    out = {}
+    for name, lm in loaded.items():
+        lm.model.set_backend(build_backend(lm, EngineConfig(model=str(hf_checkpoints[name].dir))))
+        out[name] = {key: greedy_generate(lm, prompt, n) for key, prompt in prompts.items()}
     return out
 
 

@@ -15,13 +15,13 @@ import math
 import os
 import re
 import socket
-import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from services.common.atomic_file import atomic_write
 from services.common.logging import get_logger
 from services.common.settings import env
 
@@ -150,17 +150,8 @@ def write_profile(profile: Profile, directory: str | os.PathLike | None = None, 
     target = Path(path) if path else profiles_dir(directory) / profile_filename(profile.gpu.uuid)
     target.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(profile.model_dump(mode="json"), indent=2) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-" + target.name + ".", dir=target.parent)
-    try:
-        os.fchmod(fd, 0o644)  # the engine may read the shared volume as another user
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(target, "w", perms=0o644) as f:  # 0644: the engine may read the shared volume as another user
+        f.write(text)
     dir_fd = os.open(target.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # make the rename itself durable

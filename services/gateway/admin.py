@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from services.common.logging import get_logger
 from services.gateway.auth import admin_guard
 from services.gateway.engines import EngineError, EnginePool
+from services.gateway.protocol import error_body
 
 log = get_logger("gateway.admin")
 
@@ -138,4 +139,4 @@ async def _optional_json(request: Request) -> dict:
 
 
 def _error(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error"):
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}}, status)
+    return JSONResponse(error_body(message, type_, status, param), status)

@@ -30,7 +30,7 @@ from services.gateway.auth import AuthError, api_key_guard
 from services.gateway.engines import EngineClient, EngineError, EnginePool, HttpEngineClient
 from services.gateway.generation import RequestError
 from services.gateway.metrics import PrometheusMiddleware, render_metrics
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, error_body
 
 log = get_logger("gateway")
 
@@ -95,8 +95,8 @@ class BodySizeLimit:
 
 
 def _too_large(limit: int) -> dict:
-    return _err(f"request body exceeds the gateway's limit of {limit} bytes (--max-body-bytes)",
-                "invalid_request_error", 413)
+    return error_body(f"request body exceeds the gateway's limit of {limit} bytes (--max-body-bytes)",
+                      "invalid_request_error", 413)
 
 
 async def _send_json(send, status: int, body: dict) -> None:
@@ -104,10 +104,6 @@ async def _send_json(send, status: int, body: dict) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
     await send({"type": "http.response.body", "body": data})
-
-
-def _err(message: str, type_: str, code: int | str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -127,7 +123,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation(_: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
-        return JSONResponse(_err(message, "invalid_request_error", 400, param), 400)
+        return JSONResponse(error_body(message, "invalid_request_error", 400, param), 400)
 
     @app.exception_handler(RequestError)
     async def request_error(_: Request, exc: RequestError):
@@ -147,17 +143,17 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(json.JSONDecodeError)
     async def bad_json(_: Request, exc: json.JSONDecodeError):
-        return JSONResponse(_err(f"request body is not valid JSON: {exc}", "invalid_request_error", 400), 400)
+        return JSONResponse(error_body(f"request body is not valid JSON: {exc}", "invalid_request_error", 400), 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException):
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(_err(str(exc.detail), type_, exc.status_code), exc.status_code)
+        return JSONResponse(error_body(str(exc.detail), type_, exc.status_code), exc.status_code)
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception):
         log.exception("unhandled error")
-        return JSONResponse(_err(f"internal error: {type(exc).__name__}: {exc}", "server_error", 500), 500)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error", 500), 500)
 
 
 def create_app(config: GatewayConfig, clients: list[EngineClient], on_startup=None,

@@ -7,12 +7,14 @@ import hmac
 
 from fastapi import Request
 
+from services.gateway.protocol import error_body
+
 
 class AuthError(Exception):
     def __init__(self, status: int, message: str, code: str):
         super().__init__(message)
         self.status = status
-        self.body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+        self.body = error_body(message, "invalid_request_error", code)
         self.headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
 
 

@@ -23,6 +23,7 @@ import httpx
 from services.common.logging import get_logger
 from services.common.tokenizer import Tokenizer
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.protocol import error_body
 
 log = get_logger("gateway.engines")
 
@@ -34,7 +35,7 @@ class EngineError(Exception):
                  param: str | None = None):
         super().__init__(message)
         self.status = status
-        self.body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
+        self.body = error_body(message, type_, status, param)
         self.headers = headers or {}
 
     @classmethod

@@ -16,6 +16,7 @@ from services.common.logging import get_logger
 from services.common.tokenizer import StopStringMatcher
 from services.gateway.engines import EngineError, EnginePool, EngineState, new_request_id
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.protocol import error_body
 
 log = get_logger("gateway.generation")
 
@@ -27,7 +28,7 @@ class RequestError(Exception):
                  type_: str = "invalid_request_error"):
         super().__init__(message)
         self.status = status
-        self.body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
+        self.body = error_body(message, type_, status, param)
 
 
 @dataclass

@@ -185,3 +185,8 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+def error_body(message: str, type_: str, code: int | str | None, param: str | None = None) -> dict:
+    """OpenAI's error body {"error": {"message", "type", "param", "code"}} as a JSON-ready dict."""
+    return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code)).model_dump()

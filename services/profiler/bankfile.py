@@ -16,13 +16,12 @@ gather, no name lookups — which is what makes the `repacked` loader mode fast.
 from __future__ import annotations
 
 import json
-import os
 import struct
-import tempfile
 from pathlib import Path
 
 import torch
 
+from services.common.atomic_file import atomic_write
 from services.engine.moe.banks import BANK_SCHEMAS, ExpertBanks, ExpertFormat
 from services.profiler.expert_layout import CopyJob, ExpertLayout
 
@@ -72,22 +71,14 @@ def write_bank_file(path: str | Path, banks: ExpertBanks, layout: ExpertLayout) 
     if 16 + len(blob) > header_slot:
         raise ValueError(f"{path}: header of {len(blob)} bytes does not fit its {header_slot}-byte slot")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-" + path.name + ".", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + struct.pack("<Q", len(blob)) + blob)
-            for ordinal, layer in enumerate(banks.layers):
-                for b in BANK_SCHEMAS[fmt]:
-                    region = layers[ordinal]["banks"][b.name]
-                    f.seek(region["offset"])
-                    f.write(layer.tensors[b.name].contiguous().view(torch.uint8).numpy())  # no extra copy
-            f.truncate(pos)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(path, "wb") as f:
+        f.write(MAGIC + struct.pack("<Q", len(blob)) + blob)
+        for ordinal, layer in enumerate(banks.layers):
+            for b in BANK_SCHEMAS[fmt]:
+                region = layers[ordinal]["banks"][b.name]
+                f.seek(region["offset"])
+                f.write(layer.tensors[b.name].contiguous().view(torch.uint8).numpy())  # no extra copy
+        f.truncate(pos)
     return path
 
 

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.engine.config import EngineConfig
 from services.engine.models.demo import write_tokenizer_files
+from services.engine.models.registry import load_model
 
 VOCAB = 128
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -95,3 +97,10 @@ def hf_checkpoints(tmp_path_factory) -> dict[str, HFCheckpoint]:
         write_tokenizer_files(d)
         out[name] = HFCheckpoint(name, d, model)
     return out
+
+
+@pytest.fixture(scope="module")
+def loaded(hf_checkpoints):
+    """One model per architecture loaded from ``hf_checkpoints`` with no backend attached (tests attach
+    their own); module scope because tests swap backends on it."""
+    return {name: load_model(EngineConfig(model=str(c.dir)), attach_backend=False) for name, c in hf_checkpoints.items()}

@@ -4,6 +4,7 @@ set here at collection time (Triton's own variable, not a Tandem setting)."""
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -13,3 +14,9 @@ if not torch.cuda.is_available():
 def kernel_device() -> torch.device:
     """Where kernel tests put their tensors: the GPU when present, else the CPU (interpreter)."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """kernel_device() as a fixture."""
+    return kernel_device()

@@ -9,11 +9,6 @@ import torch
 from kernels.ensure_experts import CacheState, ensure_experts, ensure_experts_reference, num_chunks
 
 
-@pytest.fixture
-def device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def random_state(L: int, E: int, S: int, cached: int, device, gen: torch.Generator) -> CacheState:
     """A consistent cache with ``cached`` random experts in random slots and random (tied) LRU times."""
     st = CacheState.allocate(L, E, S, "cpu")

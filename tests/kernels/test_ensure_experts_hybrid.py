@@ -23,11 +23,6 @@ CASES = [
 FRACTIONS = [0, fraction_to_q16(0.3), fraction_to_q16(0.41), Q16 // 2, fraction_to_q16(0.77), Q16]
 
 
-@pytest.fixture
-def device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def q16(value: int, device) -> torch.Tensor:
     return torch.tensor([value], dtype=torch.int32, device=device)
 

@@ -7,11 +7,6 @@ import torch
 from kernels.gather_copy import CopyPlan, copy_fused, copy_per_bank
 
 
-@pytest.fixture
-def device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def make_banks(L, E, S, D, I, dtype, device, gen):
     pin = device.type == "cuda"
     host = []

@@ -43,7 +43,8 @@ from services.common.logging import get_logger
 from services.common.settings import env
 from services.engine.config import MoEBackend
 from services.engine.moe.backends import BackendContext, register_backend
-from services.engine.moe.cpu_executor import CpuExecutor, DeviceHandoff, GraphHandoff, default_num_threads
+from services.engine.moe.cpu_executor import CpuExecutor, default_num_threads
+from services.engine.moe.cpu_handoff import DeviceHandoff, GraphHandoff
 from services.engine.moe.offload import OffloadBackend
 from services.engine.moe.resident import GATHER_MAX_ROUTES, moe_decode, moe_grouped
 from services.engine.moe.split import DEFAULT_FRACTION, Q16, SplitController

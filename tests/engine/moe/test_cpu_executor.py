@@ -17,8 +17,8 @@ if not torch.cuda.is_available():  # the graph handoff's kernels run interpreted
 import pytest  # noqa: E402
 
 from services.engine.moe.banks import ExpertBanks, ExpertFormat  # noqa: E402
-from services.engine.moe.cpu_executor import (CpuExecutor, DeviceHandoff, GraphHandoff, build_extension,  # noqa: E402
-                                              physical_cpus)
+from services.engine.moe.cpu_executor import CpuExecutor, build_extension, physical_cpus  # noqa: E402
+from services.engine.moe.cpu_handoff import DeviceHandoff, GraphHandoff  # noqa: E402
 from services.engine.moe.reference import moe_reference  # noqa: E402
 from tests.helpers import tolerance  # noqa: E402
 

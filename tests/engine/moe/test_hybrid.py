@@ -15,7 +15,7 @@ from services.engine.config import EngineConfig, MoEBackend  # noqa: E402
 from services.engine.models.registry import build_backend, load_model, pin_banks  # noqa: E402
 from services.engine.moe.backends import BackendContext  # noqa: E402
 from services.engine.moe.hybrid import HybridBackend  # noqa: E402
-from tests.helpers import greedy_generate  # noqa: E402
+from tests.helpers import greedy_generate, resident_greedy  # noqa: E402
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 PROMPT = [(7 * i + 3) % 120 + 4 for i in range(40)]  # 40 tokens: prefill above the split path (offload)
@@ -24,17 +24,8 @@ NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def loaded(hf_checkpoints):
-    return {name: load_model(EngineConfig(model=str(c.dir)), attach_backend=False) for name, c in hf_checkpoints.items()}
-
-
-@pytest.fixture(scope="module")
 def resident_tokens(hf_checkpoints, loaded):
-    out = {}
-    for name, lm in loaded.items():
-        lm.model.set_backend(build_backend(lm, EngineConfig(model=str(hf_checkpoints[name].dir))))
-        out[name] = {"long": greedy_generate(lm, PROMPT, NEW_TOKENS), "short": greedy_generate(lm, SHORT, NEW_TOKENS)}
-    return out
+    return resident_greedy(loaded, hf_checkpoints, {"long": PROMPT, "short": SHORT}, NEW_TOKENS)
 
 
 class RouteCounter:

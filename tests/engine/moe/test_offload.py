@@ -16,7 +16,7 @@ from services.engine.models.registry import build_backend, load_model  # noqa: E
 from services.engine.moe.backends import BackendContext  # noqa: E402
 from services.engine.moe.offload import OffloadBackend  # noqa: E402
 from services.engine.moe.sizing import GiB, CacheGeometry, decide_cache_size  # noqa: E402
-from tests.helpers import greedy_generate  # noqa: E402
+from tests.helpers import greedy_generate, resident_greedy  # noqa: E402
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 PROMPT = [(7 * i + 3) % 120 + 4 for i in range(40)]  # 40 tokens: a prefill touching every expert
@@ -24,18 +24,8 @@ NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def loaded(hf_checkpoints):
-    """One model per architecture, backends attached per test."""
-    return {name: load_model(EngineConfig(model=str(c.dir)), attach_backend=False) for name, c in hf_checkpoints.items()}
-
-
-@pytest.fixture(scope="module")
 def resident_tokens(hf_checkpoints, loaded):
-    out = {}
-    for name, lm in loaded.items():
-        lm.model.set_backend(build_backend(lm, EngineConfig(model=str(hf_checkpoints[name].dir))))
-        out[name] = greedy_generate(lm, PROMPT, NEW_TOKENS)
-    return out
+    return {name: t["long"] for name, t in resident_greedy(loaded, hf_checkpoints, {"long": PROMPT}, NEW_TOKENS).items()}
 
 
 class RouteCounter:
