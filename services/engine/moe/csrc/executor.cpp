@@ -12,6 +12,10 @@
 //   2. down: the D output rows are split over the threads; each thread sums its rows over all experts.
 // submit() returns at once; wait() blocks (GIL released) until the job is done.
 //
+// Why one file of ~800 lines: the pool, the job protocol, the CUDA handoffs and loop mode all touch the
+// same private job state and barriers; splitting them would expose that state across headers. The
+// ISA kernels themselves live apart (gemv.h / gemv.cpp).
+//
 // Three ways to feed jobs besides submit():
 //   - eager device handoff (device_submit / device_sync): one call enqueues the device-to-host input
 //     copies and the ready flag's copy on the caller's CUDA stream through the driver API, and one
