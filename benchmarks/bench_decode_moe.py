@@ -14,6 +14,10 @@ the text's sha1) lets you check that the backends agree.
     python benchmarks/bench_decode_moe.py --model synthetic:qwen3-30b-a3b?layers=24 \
         --backend resident,offload,cpu,hybrid,auto --gpu-memory-limit 24 --greedy --json out.jsonl
 
+    # sweep the share of experts cached (one server per backend and rate; resident once) and plot it
+    python benchmarks/bench_decode_moe.py --model synthetic:qwen3-30b-a3b?layers=24 \
+        --backend resident,offload,hybrid,auto --cache-rate 0.2,0.33,0.5,0.75 --json sweep.jsonl --plot sweep.png
+
 A failing backend (even a crash mid-stream) is recorded and the others still run; the exit code is
 non-zero if any failed.
 """
@@ -30,6 +34,7 @@ import time
 from pathlib import Path
 
 import httpx
+from tqdm import tqdm
 
 from benchmarks.server_process import ServerProcess
 
@@ -111,14 +116,14 @@ def engine_summary(stats: dict) -> dict:
     }
 
 
-def server_args(args: argparse.Namespace, backend: str) -> list[str]:
+def server_args(args: argparse.Namespace, backend: str, cache_rate: float | None) -> list[str]:
     out = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--moe-backend", backend,
            "--max-running-requests", "1", "--max-seq-len", str(args.max_prompt_tokens + args.decode_tokens)]
     if backend != "resident":
         if args.cache_size:
             out += ["--moe-cache-size", str(args.cache_size)]
-        elif args.cache_rate:
-            out += ["--moe-cache-rate", str(args.cache_rate)]
+        elif cache_rate:
+            out += ["--moe-cache-rate", str(cache_rate)]
         else:
             out += ["--moe-cache-auto"]
         if args.gpu_memory_limit:
@@ -127,10 +132,11 @@ def server_args(args: argparse.Namespace, backend: str) -> list[str]:
     return out + args.server_arg
 
 
-def run_backend(args: argparse.Namespace, backend: str, prompt: str, log_dir: Path) -> dict:
+def run_backend(args: argparse.Namespace, backend: str, cache_rate: float | None, prompt: str, log_dir: Path) -> dict:
     row: dict = {"backend": backend, "model": args.model, "decode_tokens": args.decode_tokens,
-                 "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
-    server = ServerProcess(server_args(args, backend), log_dir / f"serve-{backend}.log")
+                 "cache_rate": cache_rate, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    suffix = f"-{cache_rate}" if cache_rate is not None else ""
+    server = ServerProcess(server_args(args, backend, cache_rate), log_dir / f"serve-{backend}{suffix}.log")
     row["command"] = server.command
     try:
         server.wait_ready(args.startup_timeout)
@@ -161,7 +167,7 @@ def _delta(before: dict, after: dict) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = ["backend", "decode_tok_s", "ttft_ms", "event_ms_p50", "event_ms_p99", "miss_rate", "fetch_share",
+    cols = ["backend", "cache_rate", "decode_tok_s", "ttft_ms", "event_ms_p50", "event_ms_p99", "miss_rate", "fetch_share",
             "vram_gib", "output_sha1"]
     print(" | ".join(f"{c:>12}" for c in cols))
     for r in rows:
@@ -183,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=Path, default=PROMPTS, help="JSONL with 'problem' or 'prompt' fields")
     p.add_argument("--prompt-index", type=int, default=0, help="which prompt of the file")
     p.add_argument("--cache-size", type=int, help="--moe-cache-size for the server (default: --moe-cache-auto)")
-    p.add_argument("--cache-rate", type=float, help="--moe-cache-rate for the server")
+    p.add_argument("--cache-rate", type=str,
+                   help="--moe-cache-rate for the server; a comma list sweeps (one server per backend and rate)")
     p.add_argument("--gpu-memory-limit", type=float, help="--gpu-memory-limit GiB for the server")
     p.add_argument("--hybrid-max-fetch", type=int, default=-1, help="--moe-hybrid-max-fetch (-1 auto)")
     p.add_argument("--greedy", action="store_true", help="force greedy sampling (strict cross-backend check)")
@@ -191,20 +198,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--startup-timeout", type=float, default=600, help="seconds to wait for /health to say serving")
     p.add_argument("--server-arg", action="append", default=[], help="extra flag passed to the server (repeat)")
     p.add_argument("--log-dir", type=Path, default=Path("runs/bench_decode"), help="server logs go here")
-    p.add_argument("--json", type=Path, help="append one JSON line per backend here")
+    p.add_argument("--json", type=Path, help="append one JSON line per backend (and cache rate) here")
+    p.add_argument("--plot", type=Path, help="also plot tok/s against the share of experts cached to this PNG")
     args = p.parse_args(argv)
 
     args.log_dir.mkdir(parents=True, exist_ok=True)
     prompt = load_prompt(args.prompts, args.prompt_index)
+    rates = [float(r) for r in args.cache_rate.split(",")] if args.cache_rate else [None]
+    runs = [(b.strip(), None if b.strip() == "resident" else rate)
+            for b in args.backend.split(",") if b.strip() for rate in rates]
+    runs = list(dict.fromkeys(runs))  # resident once, whatever the sweep
     rows = []
-    for backend in [b.strip() for b in args.backend.split(",") if b.strip()]:
-        print(f"[bench_decode_moe] {backend}: starting server ...", file=sys.stderr, flush=True)
-        row = run_backend(args, backend, prompt, args.log_dir)
+    for backend, rate in tqdm(runs, desc="bench_decode_moe", unit="server", file=sys.stderr):
+        row = run_backend(args, backend, rate, prompt, args.log_dir)
         rows.append(row)
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(row) + "\n")
     print_table(rows)
+    if args.plot:
+        from benchmarks.plot_decode import plot_rows
+
+        print(f"plot: {plot_rows(rows, args.plot)}")
     failed = [r["backend"] for r in rows if not r.get("ok")]
     if failed:
         print(f"failed backends: {', '.join(failed)}", file=sys.stderr)

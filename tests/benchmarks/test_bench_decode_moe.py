@@ -31,14 +31,18 @@ def run_bench(tmp_path, ckpt, *args):
     return proc, rows
 
 
-def test_backends_agree_and_stats_are_read(tmp_path, demo_ckpt):
-    proc, rows = run_bench(tmp_path, demo_ckpt, "--backend", "resident,offload", "--cache-rate", "0.25")
+def test_backends_agree_over_a_cache_sweep_and_plot(tmp_path, demo_ckpt):
+    png = tmp_path / "decode.png"
+    proc, rows = run_bench(tmp_path, demo_ckpt, "--backend", "resident,offload", "--cache-rate", "0.25,0.5",
+                           "--plot", str(png))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert [r["backend"] for r in rows] == ["resident", "offload"] and all(r["ok"] for r in rows)
-    assert rows[0]["output_sha1"] == rows[1]["output_sha1"]
+    assert [(r["backend"], r["cache_rate"]) for r in rows] == [("resident", None), ("offload", 0.25), ("offload", 0.5)]
+    assert all(r["ok"] for r in rows)
+    assert len({r["output_sha1"] for r in rows}) == 1  # fp32 greedy: the same text from every server
     for r in rows:
         assert r["completion_tokens"] == 12 and r["decode_tok_s"] > 0 and r["ttft_ms"] > 0
-    assert 0.0 <= rows[1]["miss_rate"] <= 1.0  # read from the engine's stats
+    assert all(0.0 <= r["miss_rate"] <= 1.0 for r in rows[1:])  # read from the engine's stats
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_failing_backend_is_recorded_and_the_rest_run(tmp_path, demo_ckpt):
