@@ -106,7 +106,9 @@ def service_env(demo_dir, tmp_path_factory) -> dict:
     return env
 
 
-def _factory(kind: str, tmp_path_factory, service_env):
+def _processes(kind: str, tmp_path_factory, service_env):
+    """Body of the process-factory fixtures: yields ``start(*args, port=, wait=, env=)`` and stops every
+    process it started when the fixture ends."""
     started: list[ServiceProcess] = []
 
     def start(*args: str, port: int | None = None, wait: bool = True, env: dict | None = None) -> ServiceProcess:
@@ -119,34 +121,27 @@ def _factory(kind: str, tmp_path_factory, service_env):
             p.wait_healthy()
         return p
 
-    return start, started
+    yield start
+    for p in started:
+        p.stop()
 
 
 @pytest.fixture(scope="module")
 def engine_process(tmp_path_factory, service_env):
     """Factory: ``engine_process("--model", "demo", ...)`` -> a healthy `tandem engine` subprocess."""
-    start, started = _factory("engine", tmp_path_factory, service_env)
-    yield start
-    for p in started:
-        p.stop()
+    yield from _processes("engine", tmp_path_factory, service_env)
 
 
 @pytest.fixture(scope="module")
 def gateway_process(tmp_path_factory, service_env):
     """Factory: ``gateway_process("--engine", url, ...)`` -> a healthy `tandem gateway` subprocess."""
-    start, started = _factory("gateway", tmp_path_factory, service_env)
-    yield start
-    for p in started:
-        p.stop()
+    yield from _processes("gateway", tmp_path_factory, service_env)
 
 
 @pytest.fixture(scope="module")
 def serve_process(tmp_path_factory, service_env):
     """Factory: ``serve_process("--model", "demo", ...)`` -> a healthy `tandem serve` subprocess."""
-    start, started = _factory("serve", tmp_path_factory, service_env)
-    yield start
-    for p in started:
-        p.stop()
+    yield from _processes("serve", tmp_path_factory, service_env)
 
 
 @pytest.fixture(scope="session")
