@@ -113,6 +113,8 @@ def engine_summary(stats: dict) -> dict:
         "fetch_share": fetched / (fetched + cpu) if fetched is not None and cpu is not None and fetched + cpu else None,
         "fetch_fraction": experts.get("fetch_fraction"),
         "vram_gib": stats.get("vram_gib"),
+        "split": experts.get("split"),  # hybrid/cpu: the controller's measured rates, c_sync, target
+        "auto": experts.get("auto"),  # auto: the profile's choice and the online verdict
     }
 
 

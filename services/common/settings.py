@@ -42,7 +42,7 @@ ENV: dict[str, EnvVar] = {
         EnvVar("TANDEM_LOG_LEVEL", "INFO", "log level of every service"),
         EnvVar("TANDEM_COPY_MODE", "fused", "copy_missing implementation: 'fused' (one launch) or 'per-bank' (A/B)"),
         EnvVar("TANDEM_EXT_DIR", "", "where the CPU executor's C++ extension is built; empty = $XDG_CACHE_HOME/tandem/ext"),
-        EnvVar("TANDEM_HYBRID_GRAPHS", "0", "cpu/hybrid backends on CUDA: '1' = graph-capturable CPU handoff (device-side flags), '0' = eager handoff"),
+        EnvVar("TANDEM_HYBRID_GRAPHS", "1", "cpu/hybrid backends on CUDA: '1' = graph-capturable CPU handoff (device-side flags; decode replays CUDA graphs), '0' = eager handoff (no decode graphs)"),
         EnvVar("TANDEM_DEMO_DIR", "", "where `--model demo` writes its checkpoint; empty = $XDG_CACHE_HOME/tandem/demo"),
         EnvVar("TANDEM_CUDA_GRAPHS", "1", "0 = run decode steps eagerly on CUDA (no graph capture; for A/B and debugging)"),
         EnvVar("TANDEM_WORKER_METRICS_PORT", "9101", "profiler worker's Prometheus port (0 = off)"),

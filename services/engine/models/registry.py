@@ -23,7 +23,7 @@ from services.engine.models.spec import ModelSpec
 from services.engine.models import synthetic
 from services.engine.runtime.kv_cache import KVCache
 from services.engine.moe.backends import BackendContext, ExpertBackend, make_backend
-from services.engine.moe.banks import ExpertBanks
+from services.engine.moe.banks import ExpertBanks, pin_banks  # noqa: F401 - pin_banks: re-exported
 
 log = get_logger("registry")
 
@@ -104,10 +104,3 @@ def build_backend(loaded: LoadedModel, config: EngineConfig) -> ExpertBackend:
     return make_backend(ctx)
 
 
-def pin_banks(banks: ExpertBanks) -> None:
-    """Replace every host bank by a pinned copy, one bank at a time (pinned allocation up front is
-    slower than fill-then-pin; see banks.py)."""
-    for layer in banks.layers:
-        for name, t in layer.tensors.items():
-            if t.device.type == "cpu" and not t.is_pinned():
-                layer.tensors[name] = t.pin_memory()

@@ -55,7 +55,7 @@ from services.engine.models.causal_lm import MoECausalLM
 from services.engine.models.errors import LoaderError
 from services.engine.models.loader import build_empty_model
 from services.engine.models.spec import ModelSpec
-from services.engine.moe.banks import BANK_SCHEMAS, ExpertBanks, ExpertFormat, LayerBanks
+from services.engine.moe.banks import BANK_SCHEMAS, ExpertBanks, ExpertFormat, LayerBanks, enable_fast_pinning
 
 log = get_logger("synthetic")
 
@@ -126,7 +126,7 @@ def _fill_(t: torch.Tensor, std: float, gen: torch.Generator) -> None:
     else:
         stage = torch.empty(t.shape, dtype=t.dtype, device=gen.device)
         stage.normal_(0.0, std, generator=gen)
-        t.copy_(stage)
+        t.copy_(stage)  # synchronous: the stage is freed on return
 
 
 def param_std(name: str, spec: ModelSpec) -> float:
@@ -167,10 +167,14 @@ def build_synthetic(model: str, tokenizer_vocab: int, device: torch.device, dtyp
         fmt = ExpertFormat.UNQUANTIZED
         layers = []
         total = spec.num_moe_layers
+        # host banks of a CUDA model are pinned now (an offloading backend pins them anyway): the
+        # GPU-made weights then come down by DMA at PCIe speed instead of through pageable staging
+        pin = banks_device is None and device.type == "cuda" and enable_fast_pinning()
         for n in tqdm(range(total), desc=f"building {model}", unit="layer", leave=False):
             tensors = {}
             for bank in BANK_SCHEMAS[fmt]:
-                t = torch.empty((E, *bank.shape(D, I)), dtype=bank.dtype or dtype, device=banks_device or "cpu")
+                t = torch.empty((E, *bank.shape(D, I)), dtype=bank.dtype or dtype, device=banks_device or "cpu",
+                                pin_memory=pin)
                 _fill_(t, param_std(f"experts.{bank.name}", spec), gen)
                 tensors[bank.name] = t
             layers.append(LayerBanks(fmt, tensors))

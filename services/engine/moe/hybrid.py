@@ -17,18 +17,15 @@ copy time of the fetched experts, the CPU compute time and c_sync, and moves f s
 together; at f = 1 (CPU cannot help) layers run as plain offload, with no CPU submit at all.
 `--moe-hybrid-max-fetch N >= 0` fixes the split instead: fetch at most N misses per layer.
 
-Two handoffs on CUDA (TANDEM_HYBRID_GRAPHS): eager, the default (DeviceHandoff: one C++ call submits,
-enqueuing the input copies and a ready flag through the CUDA driver API, one call waits and enqueues the
-upload; decode is not a CUDA graph) and graph mode (GraphHandoff, TANDEM_HYBRID_GRAPHS=1: the stream
-writes a pinned job word, executor worker 0 runs the job, a kernel waits for the done word; capturable,
-so the runner replays decode as a graph and a background thread corrects the split from the executor's
-and the kernels' timings).
-Measured on the H200 host before the current handoffs: eager c_sync 123 us/layer (~6 torch ops), graph
-mode 533 us/layer (a separate poller thread beside 15 pinned spinning workers and the spinning driver
-thread: 17 spinners on 16 cores). Both were reworked (fast eager path; the poller is now worker 0);
-eager stays the default until benchmarks/bench_cpu_executor.py shows graph mode's c_sync below eager's
-(its docstring has the predicted numbers). The eager layer also skips the GPU-weight masking (CPU
-routes have slot -1, which the GPU kernels skip) and sums in place: 5 launches fewer per layer.
+Two handoffs on CUDA (TANDEM_HYBRID_GRAPHS): graph mode, the default (GraphHandoff: the stream writes a
+pinned job word, executor worker 0 runs the job, a kernel waits for the done word; capturable, so the
+runner replays decode as a CUDA graph and a background thread corrects the split from the executor's and
+the kernels' timings) and eager (DeviceHandoff, TANDEM_HYBRID_GRAPHS=0: one C++ call submits, enqueuing
+the input copies and a ready flag through the CUDA driver API, one call waits and enqueues the upload;
+decode then runs without graphs, launch-bound: 38 ms/token on the 24-layer benchmark model, run 5).
+c_sync on the H200 host (benchmarks/bench_cpu_executor.py, run 5): graph 22.7 us/layer, eager 40.8 us.
+The eager layer skips the GPU-weight masking (CPU routes have slot -1, which the GPU kernels skip) and
+sums in place.
 """
 
 from __future__ import annotations
@@ -191,7 +188,9 @@ class HybridBackend:
     def _forward_graph(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor) -> torch.Tensor:
         """The capturable path: no host sync, no Python decision that depends on data or time."""
-        if topk_ids.numel() > DECODE_MAX_ROUTES:
+        if topk_ids.numel() > DECODE_MAX_ROUTES:  # prefill (never captured: eager, like its count)
+            if self.count_routes:
+                self.routes["gpu"] += int((topk_ids >= 0).sum())
             return self.offload.forward(layer, hidden, topk_ids, topk_weights)
         slot_ids, cpu_ids = self._ensure(layer, topk_ids)  # [T, A] each
         self.handoff.submit(layer, hidden, cpu_ids, topk_weights)
