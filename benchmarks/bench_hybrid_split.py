@@ -1,0 +1,198 @@
+"""Where the fetch/CPU split's optimum lies, and whether the controller finds it (issue 4).
+
+    python -m benchmarks.bench_hybrid_split [--model synthetic:qwen3-30b-a3b?layers=24] [--cache-rate 0.33] \
+        [--configs offload,cpu,hybrid:1,hybrid:2,hybrid:3,hybrid] [--json out.json] [--plot out.png]
+
+One process loads the model once (CUDA, bf16, banks pinned), then for each config builds the expert
+backend with the same number of cache slots, prefills a prompt and decodes bs=1 as a replayed CUDA graph
+(sampled at --temperature inside the graph), the host waiting for every token as a server does:
+
+    offload      every miss fetched over PCIe
+    cpu          every miss computed by the CPU executor
+    hybrid:N     at most N misses per layer fetched, the rest on the CPU (--moe-hybrid-max-fetch N)
+    hybrid       the online controller's split (--moe-hybrid-max-fetch -1)
+
+Per config: ms/token (mean, p50, p99), misses, fetched and CPU experts per layer, and for hybrid/cpu the
+per-layer GPU side (signal -> wait entry: copy of the fetched experts + GEMM of the resident ones) and
+how long the GPU then waited for the CPU (from the handoff's %globaltimer stamps), the CPU executor's
+rate and the controller's final fraction. The fixed caps trace the curve; the controller should land on
+its minimum. Performance lives here, never in unit tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from benchmarks.decode_graph import GraphDecoder
+from services.engine.config import EngineConfig, MoEBackend
+from services.engine.models.registry import load_model, pin_banks
+from services.engine.moe.backends import BackendContext
+from services.engine.moe.hybrid import HybridBackend
+from services.engine.moe.offload import OffloadBackend
+from services.engine.runtime.kv_cache import KVCache
+
+
+def build(lm, config: str, num_slots: int):
+    """'offload' | 'cpu' | 'hybrid' | 'hybrid:N' -> a backend over the loaded banks with num_slots slots."""
+    kind, _, cap = config.partition(":")
+    max_fetch = int(cap) if cap else -1
+    cfg = EngineConfig(model=lm.model_id, device="cuda", dtype="bfloat16", moe_backend=kind,
+                       moe_hybrid_max_fetch=max_fetch)
+    ctx = BackendContext(lm.banks, cfg, lm.device, lm.dtype, lm.spec.top_k, lm.model.non_expert_nbytes())
+    if kind == "offload":
+        return OffloadBackend(ctx, num_slots=num_slots)
+    if kind in ("cpu", "hybrid"):
+        return HybridBackend(ctx, MoEBackend(kind), num_slots=num_slots)
+    raise SystemExit(f"--configs: unknown config {config!r} (offload, cpu, hybrid, hybrid:N)")
+
+
+def cache_counts(backend) -> tuple[int, int]:
+    s = backend.cache.state
+    return int(s.misses.sum()), int(s.fetched.sum())
+
+
+def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict:
+    backend = build(lm, config, num_slots)
+    lm.model.set_backend(backend)
+    kv = KVCache(lm.spec, 1, args.max_seq_len, "cuda", lm.dtype)
+    handoff = getattr(backend, "handoff", None)
+    stamps = getattr(handoff, "stamps", None)  # graph mode: [L, 3] signal / wait entry / wait exit (ns)
+    try:
+        dec = GraphDecoder(lm, kv, prompt, args.temperature)
+        for _ in range(args.warmup):  # the cache reaches its decode working set; the controller settles
+            dec.step()
+        torch.cuda.synchronize()
+        misses0, fetched0 = cache_counts(backend)
+        poll0 = handoff.poll_stats() if stamps is not None else None
+        times, gpu_side, waits = [], [], []
+        for _ in range(args.tokens):
+            t0 = time.perf_counter()
+            dec.step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            if stamps is not None:
+                for sig, enter, leave in stamps.tolist():
+                    gpu_side.append(enter - sig)
+                    waits.append(leave - enter)
+        dec.check_room()
+        misses, fetched = (a - b for a, b in zip(cache_counts(backend), (misses0, fetched0)))
+        layers = len(lm.banks.layers) * args.tokens
+        row = {"config": config, "tokens": args.tokens, "ms_per_token": 1e3 * statistics.fmean(times),
+               "ms_p50": 1e3 * statistics.median(times), "ms_p99": 1e3 * sorted(times)[int(0.99 * (len(times) - 1))],
+               "misses_per_layer": misses / layers, "fetched_per_layer": fetched / layers,
+               "miss_rate": misses / (layers * lm.spec.top_k)}
+        row["tok_s"] = 1e3 / row["ms_per_token"]
+        if stamps is not None:
+            poll = handoff.poll_stats()
+            cpu_experts, cpu_s = poll["experts"] - poll0["experts"], poll["compute_s"] - poll0["compute_s"]
+            row.update(cpu_experts_per_layer=cpu_experts / layers,
+                       cpu_gbs=cpu_experts * backend.expert_bytes / cpu_s / 1e9 if cpu_s else None,
+                       gpu_side_us=statistics.fmean(gpu_side) / 1e3, wait_us=statistics.fmean(waits) / 1e3,
+                       fetch_fraction=backend.controller.fraction, c_sync_us=backend.c_sync_calibrated * 1e6,
+                       executor_error=poll["error"])
+        return row
+    finally:
+        lm.model.set_backend(None)
+        close = getattr(backend, "close", None)
+        if close is not None:
+            close()
+        del backend, kv
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def print_table(rows: list[dict]) -> None:
+    cols = [("config", "{}"), ("tok_s", "{:.1f}"), ("ms_per_token", "{:.2f}"), ("ms_p50", "{:.2f}"), ("ms_p99", "{:.2f}"),
+            ("misses_per_layer", "{:.2f}"), ("fetched_per_layer", "{:.2f}"), ("cpu_experts_per_layer", "{:.2f}"),
+            ("gpu_side_us", "{:.0f}"), ("wait_us", "{:.0f}"), ("cpu_gbs", "{:.1f}"), ("fetch_fraction", "{:.3f}")]
+    print(" | ".join(f"{c:>12}" for c, _ in cols))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['config']:>12} | FAILED: {r['error'][:120]}")
+            continue
+        print(" | ".join(f"{(fmt.format(r[c]) if r.get(c) is not None else '-'):>12}" for c, fmt in cols))
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "error" not in r]
+    capped = sorted((int(r["config"].split(":")[1]), r["tok_s"]) for r in ok if r["config"].startswith("hybrid:"))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if capped:
+        ax.plot([c for c, _ in capped], [t for _, t in capped], "o-", label="hybrid, fixed cap N")
+    styles = {"offload": "r--", "cpu": "g--", "hybrid": "b-"}
+    for r in ok:
+        if r["config"] in styles:
+            ax.axhline(r["tok_s"], linestyle=styles[r["config"]][1:], color=styles[r["config"]][0],
+                       label=f"{r['config']} ({r['tok_s']:.1f} tok/s)")
+    ax.set_xlabel("misses fetched per layer, at most (--moe-hybrid-max-fetch)")
+    ax.set_ylabel("decode tok/s (bs=1)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench_hybrid_split", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="synthetic:qwen3-30b-a3b?layers=24", help="model (default: %(default)s)")
+    p.add_argument("--cache-rate", type=float, default=0.33, help="share of all experts given GPU slots")
+    p.add_argument("--configs", default="offload,cpu,hybrid:1,hybrid:2,hybrid:3,hybrid:4,hybrid",
+                   help="comma list of offload | cpu | hybrid | hybrid:N (default: %(default)s)")
+    p.add_argument("--tokens", type=int, default=128, help="timed decode tokens per config")
+    p.add_argument("--warmup", type=int, default=64, help="untimed decode tokens per config first")
+    p.add_argument("--prompt-len", type=int, default=64, help="random prompt tokens prefilled first")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0 = greedy)")
+    p.add_argument("--max-seq-len", type=int, default=512, help="KV window of the decode graph")
+    p.add_argument("--json", help="write the rows and the run's facts to this JSON file")
+    p.add_argument("--plot", help="PNG of tok/s against the fixed cap, the other configs as lines")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_hybrid_split: needs CUDA (the handoff and the slot cache live on the GPU)", file=sys.stderr)
+        return 2
+    if args.prompt_len + args.warmup + args.tokens + 8 > args.max_seq_len:
+        print(f"--max-seq-len {args.max_seq_len} is too small for prompt + warm-up + tokens", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    lm = load_model(EngineConfig(model=args.model, device="cuda", dtype="bfloat16", moe_backend="offload"),
+                    attach_backend=False)
+    pin_banks(lm.banks)
+    print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s", flush=True)
+    total = len(lm.banks.layers) * lm.banks.layers[0].num_experts
+    num_slots = round(args.cache_rate * total)
+    prompt = torch.randint(0, lm.spec.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    rows = []
+    for config in tqdm(args.configs.split(","), desc="bench_hybrid_split", unit="config"):
+        try:
+            rows.append(run_config(lm, config, num_slots, prompt, args))
+        except Exception as exc:  # one failing config must not lose the others
+            rows.append({"config": config, "error": f"{type(exc).__name__}: {exc}"})
+    facts = {"model": args.model, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "cache_rate": args.cache_rate, "slots": num_slots,
+             "expert_bytes": lm.banks.expert_nbytes(), "temperature": args.temperature, "command": " ".join(sys.argv)}
+    print(f"{args.model}, {num_slots} slots ({args.cache_rate:.0%} of {total} experts), bs=1, T={args.temperature}")
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**facts, "rows": rows}, f, indent=2)
+    if args.plot:
+        plot(rows, args.plot, f"{args.model}, {args.cache_rate:.0%} of experts cached, {facts['device']}")
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
