@@ -118,9 +118,13 @@ def engine_summary(stats: dict) -> dict:
     }
 
 
+def warmup_tokens(args: argparse.Namespace) -> int:
+    return args.warmup_tokens if args.warmup_tokens is not None else args.decode_tokens
+
+
 def server_args(args: argparse.Namespace, backend: str, cache_rate: float | None) -> list[str]:
     out = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--moe-backend", backend,
-           "--max-running-requests", "1", "--max-seq-len", str(args.max_prompt_tokens + args.decode_tokens)]
+           "--max-running-requests", "1", "--max-seq-len", str(args.max_prompt_tokens + max(args.decode_tokens, warmup_tokens(args)))]
     if backend != "resident":
         if args.cache_size:
             out += ["--moe-cache-size", str(args.cache_size)]
@@ -146,7 +150,7 @@ def run_backend(args: argparse.Namespace, backend: str, cache_rate: float | None
         info = httpx.get(f"{server.url}/engine/v1/info", timeout=10).json()
         sampling = resolve_sampling(info.get("generation_config") or {}, args.greedy)
         row["sampling"] = sampling
-        stream_chat(server.url, model_id, prompt, args.decode_tokens, sampling, args.seed)  # warm-up
+        stream_chat(server.url, model_id, prompt, warmup_tokens(args), sampling, args.seed)  # warm-up
         before = httpx.get(f"{server.url}/engine/v1/stats", timeout=10).json()
         row.update(stream_chat(server.url, model_id, prompt, args.decode_tokens, sampling, args.seed))
         after = httpx.get(f"{server.url}/engine/v1/stats", timeout=10).json()
@@ -187,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", help="compute device of the server")
     p.add_argument("--dtype", default="bfloat16", help="server dtype")
     p.add_argument("--decode-tokens", "-D", type=int, default=256, help="tokens decoded in the measured request")
+    p.add_argument("--warmup-tokens", type=int,
+                   help="tokens of the warm-up request (default: --decode-tokens); hybrid searches its split for "
+                        "~250 decode steps and auto times both candidates after that: give them ~512")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="room left for the prompt in --max-seq-len")
     p.add_argument("--prompts", type=Path, default=PROMPTS, help="JSONL with 'problem' or 'prompt' fields")
     p.add_argument("--prompt-index", type=int, default=0, help="which prompt of the file")

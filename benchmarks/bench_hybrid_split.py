@@ -4,8 +4,9 @@
         [--configs offload,cpu,hybrid:1,hybrid:2,hybrid:3,hybrid] [--json out.json] [--plot out.png]
 
 One process loads the model once (CUDA, bf16, banks pinned), then for each config builds the expert
-backend with the same number of cache slots, prefills a prompt and decodes bs=1 as a replayed CUDA graph
-(sampled at --temperature inside the graph), the host waiting for every token as a server does:
+backend with the same number of cache slots and the engine's own ModelRunner (its captured decode
+graphs), prefills a prompt and decodes bs=1, sampling each token at --temperature and reading it on the
+host as the server does:
 
     offload      every miss fetched over PCIe
     cpu          every miss computed by the CPU executor
@@ -31,13 +32,13 @@ import time
 import torch
 from tqdm import tqdm
 
-from benchmarks.decode_graph import GraphDecoder
 from services.engine.config import EngineConfig, MoEBackend
 from services.engine.models.registry import load_model, pin_banks
 from services.engine.moe.backends import BackendContext
 from services.engine.moe.hybrid import HybridBackend
 from services.engine.moe.offload import OffloadBackend
-from services.engine.runtime.kv_cache import KVCache
+from services.engine.runtime.kv_cache import ForwardBatch
+from services.engine.runtime.runner import ModelRunner
 
 
 def build(lm, config: str, num_slots: int):
@@ -59,30 +60,50 @@ def cache_counts(backend) -> tuple[int, int]:
     return int(s.misses.sum()), int(s.fetched.sum())
 
 
+@torch.inference_mode()
 def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict:
     backend = build(lm, config, num_slots)
     lm.model.set_backend(backend)
-    kv = KVCache(lm.spec, 1, args.max_seq_len, "cuda", lm.dtype)
+    runner = ModelRunner(lm, 1, args.max_seq_len, lm.device, lm.dtype, backend_name=config.partition(":")[0])
     handoff = getattr(backend, "handoff", None)
     stamps = getattr(handoff, "stamps", None)  # graph mode: [L, 3] signal / wait entry / wait exit (ns)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def sample(logits: torch.Tensor) -> int:  # [1, V] -> token (Gumbel-max at the temperature; host sync)
+        if args.temperature <= 0:
+            return int(logits[0].argmax())
+        u = torch.rand(logits.shape, device=logits.device, generator=gen).clamp_(min=1e-10)
+        return int((logits[0].float() / args.temperature - torch.log(-torch.log(u[0]))).argmax())
+
     try:
-        dec = GraphDecoder(lm, kv, prompt, args.temperature)
+        if runner.graphs is None or 1 not in runner.graphs.graphs:
+            raise RuntimeError("no CUDA graph was captured for decode batch 1 (see the log)")
+        ids = torch.tensor(prompt, device="cuda")
+        logits = lm.model(ids, torch.arange(len(prompt), device="cuda"),
+                          ForwardBatch(slots=[0], start_pos=[0], query_lens=[len(prompt)]), runner.kv)
+        token, pos = sample(logits), len(prompt)
+
+        def step() -> None:  # and report the step time to the backend, as the engine does
+            nonlocal token, pos
+            t0 = time.perf_counter()
+            token, pos = sample(runner.graphs.run([token], [pos], [0])), pos + 1
+            observe = getattr(backend, "observe_decode_step", None)
+            if observe is not None:
+                observe(time.perf_counter() - t0, 1)
+
         for _ in range(args.warmup):  # the cache reaches its decode working set; the controller settles
-            dec.step()
-        torch.cuda.synchronize()
+            step()
         misses0, fetched0 = cache_counts(backend)
         poll0 = handoff.poll_stats() if stamps is not None else None
         times, gpu_side, waits = [], [], []
         for _ in range(args.tokens):
             t0 = time.perf_counter()
-            dec.step()
-            torch.cuda.synchronize()
+            step()
             times.append(time.perf_counter() - t0)
             if stamps is not None:
                 for sig, enter, leave in stamps.tolist():
                     gpu_side.append(enter - sig)
                     waits.append(leave - enter)
-        dec.check_room()
         misses, fetched = (a - b for a, b in zip(cache_counts(backend), (misses0, fetched0)))
         layers = len(lm.banks.layers) * args.tokens
         row = {"config": config, "tokens": args.tokens, "ms_per_token": 1e3 * statistics.fmean(times),
@@ -96,7 +117,8 @@ def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict
             row.update(cpu_experts_per_layer=cpu_experts / layers,
                        cpu_gbs=cpu_experts * backend.expert_bytes / cpu_s / 1e9 if cpu_s else None,
                        gpu_side_us=statistics.fmean(gpu_side) / 1e3, wait_us=statistics.fmean(waits) / 1e3,
-                       fetch_fraction=backend.controller.fraction, c_sync_us=backend.c_sync_calibrated * 1e6,
+                       fetch_fraction=backend.stats()["fetch_fraction"], c_sync_us=backend.c_sync_calibrated * 1e6,
+                       tuner=backend.tuner.stats() if backend.tuner is not None else None,
                        executor_error=poll["error"])
         return row
     finally:
@@ -104,7 +126,7 @@ def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict
         close = getattr(backend, "close", None)
         if close is not None:
             close()
-        del backend, kv
+        del backend, runner
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -154,10 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default="offload,cpu,hybrid:1,hybrid:2,hybrid:3,hybrid:4,hybrid",
                    help="comma list of offload | cpu | hybrid | hybrid:N (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=128, help="timed decode tokens per config")
-    p.add_argument("--warmup", type=int, default=64, help="untimed decode tokens per config first")
+    p.add_argument("--warmup", type=int, default=320,
+                   help="untimed decode tokens per config first (the controller's split search settles in ~250)")
     p.add_argument("--prompt-len", type=int, default=64, help="random prompt tokens prefilled first")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0 = greedy)")
-    p.add_argument("--max-seq-len", type=int, default=512, help="KV window of the decode graph")
+    p.add_argument("--max-seq-len", type=int, default=640, help="KV window of the decode graph")
     p.add_argument("--json", help="write the rows and the run's facts to this JSON file")
     p.add_argument("--plot", help="PNG of tok/s against the fixed cap, the other configs as lines")
     args = p.parse_args(argv)

@@ -67,7 +67,12 @@ class AutoBackend:
     def observe_decode_step(self, seconds: float, tokens: int) -> bool:
         """One decode step's wall time for ``tokens`` sequences. True when the inner backend was rebuilt
         (the caller must re-capture its decode graphs)."""
+        inner_observe = getattr(self.inner, "observe_decode_step", None)
+        if inner_observe is not None:  # hybrid tunes its split on the same step times
+            inner_observe(seconds, tokens)
         if self.settled or tokens <= 0:
+            return False
+        if getattr(self.inner, "settling", False):  # hybrid still searching its split: not its speed yet
             return False
         if self._skip > 0:
             self._skip -= 1

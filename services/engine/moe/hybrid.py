@@ -12,9 +12,12 @@ Decode data path per MoE layer (each (token, expert) route computed exactly once
     sync                   -> wait for the CPU, copy its partial up, add
 Steps with more than DECODE_MAX_ROUTES routes (prefill) take the offload path: every miss fetched.
 
-The split is the online controller's fraction (services/engine/moe/split.py): per step it gets the
-copy time of the fetched experts, the CPU compute time and c_sync, and moves f so both sides finish
-together; at f = 1 (CPU cannot help) layers run as plain offload, with no CPU submit at all.
+The split f comes from services/engine/moe/split.py in two stages. The cost model (SplitController) gets
+per step the copy time of the fetched experts, the CPU compute time and c_sync, and moves f so both sides
+finish together; at f = 1 (CPU cannot help) layers run as plain offload, with no CPU submit at all. After
+TUNE_AFTER_STEPS decode steps the tuner (SplitTuner) takes over from that f and hill-climbs on the step
+time the engine reports (observe_decode_step): both paths share the host DRAM, so the equalising f of
+constant rates is not the fastest one (H200 host, issue 4: docs/benchmarks.md run 8).
 `--moe-hybrid-max-fetch N >= 0` fixes the split instead: fetch at most N misses per layer.
 
 Two handoffs on CUDA (TANDEM_HYBRID_GRAPHS): graph mode, the default (GraphHandoff: the stream writes a
@@ -31,7 +34,6 @@ sums in place.
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 
 import torch
@@ -44,11 +46,12 @@ from services.engine.moe.cpu_executor import CpuExecutor, default_num_threads
 from services.engine.moe.cpu_handoff import DeviceHandoff, GraphHandoff
 from services.engine.moe.offload import OffloadBackend
 from services.engine.moe.resident import GATHER_MAX_ROUTES, moe_decode, moe_grouped
-from services.engine.moe.split import DEFAULT_FRACTION, Q16, SplitController
+from services.engine.moe.split import DEFAULT_FRACTION, Q16, SplitController, SplitTuner, fraction_to_q16
 
 log = get_logger("moe.hybrid")
 
 DECODE_MAX_ROUTES = GATHER_MAX_ROUTES  # T*A at or below: split path; above (prefill): offload path
+TUNE_AFTER_STEPS = 24  # decode steps of the cost model alone (it settles in a few) before the tuner starts
 
 
 def profile_prior(ctx: BackendContext) -> dict:
@@ -86,7 +89,7 @@ class HybridBackend:
         """num_slots / use_triton: as OffloadBackend · num_threads: CPU workers (default one per physical
         core, one core left to the thread driving the GPU) · count_routes: count GPU and CPU routes on
         the host (a sync per layer; tests) · graph_mode: CUDA only, the capturable handoff (default from
-        TANDEM_HYBRID_GRAPHS); the split is then corrected by a background thread, as replays run no Python."""
+        TANDEM_HYBRID_GRAPHS)."""
         if mode not in (MoEBackend.HYBRID, MoEBackend.CPU):
             raise ValueError(f"hybrid backend: mode must be hybrid or cpu, got {mode}")
         self.mode = mode
@@ -120,7 +123,7 @@ class HybridBackend:
             prior.setdefault("prior_fraction", getattr(ctx, "fetch_fraction", None))
             self.controller = SplitController(self.expert_bytes, **prior)
         # graph mode: the fraction lives in pinned host memory (the split kernel reads it through UVA), so
-        # the controller thread updates it with a plain store and never calls CUDA during a capture
+        # a plain store between two replays changes it, and no CUDA call can land inside a capture
         self.f_q16 = (torch.tensor([self.controller.f_q16], dtype=torch.int32).pin_memory() if self.graph_mode
                       else torch.tensor([self.controller.f_q16], dtype=torch.int32, device=ctx.device))
         self._step_q16 = self.controller.f_q16
@@ -129,11 +132,12 @@ class HybridBackend:
         self.totals = {"cpu_jobs": 0, "cpu_experts": 0, "cpu_routes": 0, "split_steps": 0}
         self._step: dict | None = None
         self._events: dict[tuple[int, int], torch.cuda.Event] = {}
+        # after TUNE_AFTER_STEPS steps of the cost model alone, the tuner refines f on measured step time
+        self.tuner: SplitTuner | None = None
+        self._tunable = mode is MoEBackend.HYBRID and self.max_fetch < 0
+        self._decode_steps = 0
+        self._graph_prev: tuple[dict, list[int]] | None = None
         self._calibrate_c_sync()
-        self._stop = threading.Event()
-        if self.graph_mode:
-            self._control = threading.Thread(target=self._control_loop, name="tandem-split", daemon=True)
-            self._control.start()
 
     # ---- the per-layer data path -------------------------------------------------------------------
 
@@ -205,41 +209,65 @@ class HybridBackend:
             self.routes["cpu"] = self.handoff.poll_stats()["routes"] - self._routes_at_start
         return out
 
-    def _control_loop(self, period_s: float = 0.1) -> None:
-        """Graph mode: every period, feed the controller the window's totals (CPU jobs from the poller,
-        miss/fetch counters and the GPU side's per-layer time from the kernels' %globaltimer stamps, both
-        mirrored to pinned memory) and store the new Q16 fraction in pinned memory for the next replay's
-        split kernels. Host memory only: a CUDA call here could break a graph capture in progress."""
-        prev_poll, prev_counts = self.handoff.poll_stats(), None
-        while not self._stop.wait(period_s):
-            try:
-                counts = self.handoff.counters.sum(dim=0).tolist()  # [2]: misses, fetched (cumulative)
-                stamps = self.handoff.stamps.tolist()  # [L, 3]: signal, wait entry, wait exit (ns)
-                poll = self.handoff.poll_stats()
-                if prev_counts is not None and poll["jobs"] > prev_poll["jobs"]:
-                    jobs = poll["jobs"] - prev_poll["jobs"]
-                    gpu_side = [enter - sig for sig, enter, _ in stamps if sig and enter > sig]
-                    fetch_s = jobs * statistics.fmean(gpu_side) * 1e-9 if gpu_side else 0.0
-                    self.controller.observe(layers=jobs, misses=counts[0] - prev_counts[0],
-                                            fetched=counts[1] - prev_counts[1], fetch_s=fetch_s,
-                                            cpu_experts=poll["experts"] - prev_poll["experts"],
-                                            cpu_s=poll["compute_s"] - prev_poll["compute_s"])
-                    self.totals["split_steps"] += 1
-                    if self.controller.f_q16 != self._step_q16:
-                        self._step_q16 = self.controller.f_q16
-                        self.f_q16[0] = self._step_q16
-                    if poll["error"]:
-                        log.error("cpu executor (graph mode): %s", poll["error"])
-                prev_poll, prev_counts = poll, counts
-            except Exception:  # noqa: BLE001 - the controller must never take serving down
-                log.exception("hybrid split controller (graph mode) failed; the fraction stays at %.3f",
-                              self.controller.fraction)
+    def observe_decode_step(self, seconds: float, tokens: int) -> bool:
+        """Called by the engine after each decode step (model thread, between steps). Graph mode feeds the
+        cost model here (replays run no Python per layer); both modes then let the tuner move f on the step
+        time. Host memory only in graph mode (the executor's totals, the pinned stamps and counters).
+        Never asks for a rebuild (returns False)."""
+        if tokens <= 0:
+            return False
+        self._decode_steps += 1
+        if self.graph_mode:
+            self._observe_graph_step()
+        if not self._tunable:
+            return False
+        if self.tuner is None:
+            if self._decode_steps >= TUNE_AFTER_STEPS:
+                self.tuner = SplitTuner(self.controller.fraction)
+                log.info("hybrid: cost model put f at %.3f; tuning it on measured step time", self.tuner.fraction)
+        else:
+            self.tuner.observe(seconds / tokens)
+        if self.tuner is not None:
+            self._set_q16(fraction_to_q16(self.tuner.current))
+        elif self.graph_mode:
+            self._set_q16(self.controller.f_q16)
+        return False
+
+    @property
+    def settling(self) -> bool:
+        """True while the split is still being searched (auto waits for the end before timing hybrid)."""
+        return self._tunable and (self.tuner is None or self.tuner.phase != "rest")
+
+    def _observe_graph_step(self) -> None:
+        """Graph mode: one step's totals for the cost model: CPU jobs from the executor, the cache's
+        miss/fetch counters and the GPU side's per-layer time (%globaltimer stamps), all mirrored to pinned
+        memory by the kernels (a CUDA call here could land inside a capture)."""
+        poll = self.handoff.poll_stats()
+        counts = self.handoff.counters.sum(dim=0).tolist()  # [2]: misses, fetched (cumulative)
+        if poll["error"]:
+            log.error("cpu executor (graph mode): %s", poll["error"])
+        prev, self._graph_prev = self._graph_prev, (poll, counts)
+        if prev is None or poll["jobs"] <= prev[0]["jobs"]:
+            return
+        prev_poll, prev_counts = prev
+        jobs = poll["jobs"] - prev_poll["jobs"]
+        gpu_side = [enter - sig for sig, enter, _ in self.handoff.stamps.tolist() if sig and enter > sig]
+        self.controller.observe(layers=jobs, misses=counts[0] - prev_counts[0], fetched=counts[1] - prev_counts[1],
+                                fetch_s=jobs * statistics.fmean(gpu_side) * 1e-9 if gpu_side else 0.0,
+                                cpu_experts=poll["experts"] - prev_poll["experts"],
+                                cpu_s=poll["compute_s"] - prev_poll["compute_s"])
+        self.totals["split_steps"] += 1
+
+    def _set_q16(self, q16: int) -> None:
+        """The fraction the next step's split kernels read (graph mode: a plain store into pinned memory)."""
+        if q16 != self._step_q16:
+            self._step_q16 = q16
+            if self.graph_mode:
+                self.f_q16[0] = q16
 
     def close(self) -> None:
-        """Stop the controller thread and the CPU side (graph-mode poller, workers)."""
-        self._stop.set()
+        """Stop the CPU side (graph-mode poller, workers)."""
         if self.graph_mode:
-            self._control.join()
             self.handoff.close()
         self.executor.close()
 
@@ -272,7 +300,7 @@ class HybridBackend:
         prev = self._step
         if prev is not None and (prev["fetch_marks"] or prev["offload_layers"]):
             self._finish(prev)
-        self._step_q16 = self.controller.f_q16
+        self._step_q16 = fraction_to_q16(self.tuner.current) if self.tuner is not None else self.controller.f_q16
         self.f_q16.fill_(self._step_q16)
         self._step = {"fetch_marks": [], "offload_layers": 0, "cpu_s": 0.0, "cpu_experts": 0, "cpu_layers": 0,
                       "counters": self._counters()}  # device snapshot, read when the step is closed
@@ -357,11 +385,12 @@ class HybridBackend:
             "backend": self.mode.value,
             "cache": cache,
             "split": {**split, "max_fetch": self.max_fetch, "f_q16": self._step_q16, "graph_mode": self.graph_mode,
+                      "tuner": self.tuner.stats() if self.tuner is not None else None,
                       "c_sync_calibrated_seconds": self.c_sync_calibrated, "steps": self.totals["split_steps"]},
             "cpu_executor": {"isa": self.executor.isa, "threads": self.executor.num_threads,
                              "jobs": self.totals["cpu_jobs"], "experts_computed": self.totals["cpu_experts"],
                              "routes_computed": self.totals["cpu_routes"]},
-            "fetch_fraction": split["fetch_fraction"],
+            "fetch_fraction": self._step_q16 / Q16,  # in use (the tuner's once it runs; split: the cost model's)
             "bandwidth_bytes_per_second": {"pcie": split["pcie_bytes_per_second"], "cpu": split["cpu_bytes_per_second"]},
             "c_sync_seconds": split["c_sync_seconds"],
         }

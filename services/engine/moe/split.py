@@ -165,3 +165,99 @@ class SplitController:
             "misses_per_layer": self.misses_per_layer,
             "steps_observed": self.steps,
         }
+
+
+class SplitTuner:
+    """Searches the fetch fraction on measured decode step time, starting where the controller's cost
+    model put it.
+
+    Why: the cost model treats the PCIe and CPU rates as constants, but both paths read the same host
+    DRAM, so each side's rate depends on f (H200 host: the executor reads 99 GB/s alone, 73 GB/s while
+    the GPU fetches at 39). The f that equalises the two sides at the rates seen there need not be the
+    fastest one, and the step time as a function of f need not have a single minimum; only the step
+    time itself says which f is best.
+
+    One window = ``window`` decode steps at one f; its cost is the mean step time. First a scan of
+    ``grid`` plus the model's f (one window each) picks the best (a grid, not a descent from the model's
+    f: with ~5 misses per layer F is a small integer, so the step time is a staircase in f whose flat
+    treads stop a local search); then a local search: try f + step,
+    then f - step; a neighbour better by ``margin`` is taken and the search goes on that way, otherwise
+    the step halves (the current f measured again first, as the context grows). Below ``min_step`` the
+    tuner rests at its best f and scans again after ``reprobe_every`` steps (routing drifts while serving).
+    """
+
+    def __init__(self, start: float, grid: tuple[float, ...] = tuple(i / 8 for i in range(9)), step: float = 1 / 16,
+                 min_step: float = 1 / 32, window: int = 12, margin: float = 0.01, reprobe_every: int = 4096):
+        self.fraction = min(1.0, max(0.0, start))  # the accepted f
+        self.grid, self.first_step, self.min_step = grid, step, min_step
+        self.window, self.margin, self.reprobe_every = window, margin, reprobe_every
+        self.step = step
+        self.cost: float | None = None  # mean step seconds at the accepted f
+        self.trial: float | None = None  # the f being measured when it is not the accepted one
+        self.direction = 1
+        self.windows = 0
+        self.scanned: dict[float, float] = {}  # f -> mean step seconds, of the last scan
+        self._sum, self._n, self._rest = 0.0, 0, 0
+        self._start_scan()
+
+    @property
+    def current(self) -> float:
+        """The f the next step should use (a trial value while one is measured)."""
+        return self.trial if self.trial is not None else self.fraction
+
+    def observe(self, seconds: float) -> None:
+        """One decode step's wall time at ``current``."""
+        if self.phase == "rest":
+            self._rest += 1
+            if self._rest >= self.reprobe_every:
+                self._start_scan()
+            return
+        self._sum += seconds
+        self._n += 1
+        if self._n < self.window:
+            return
+        cost, self._sum, self._n = self._sum / self._n, 0.0, 0
+        self.windows += 1
+        if self.phase == "scan":
+            self.scanned[self.trial] = cost
+            if self._queue:
+                self.trial = self._queue.pop(0)
+                return
+            self.fraction = min(self.scanned, key=self.scanned.get)
+            self.cost, self.step = self.scanned[self.fraction], self.first_step
+            self._try(1, "up")
+        elif self.phase == "base":
+            self.cost = cost
+            self._try(self.direction, "up")
+        elif cost < self.cost * (1 - self.margin):  # the neighbour wins: move there, keep going that way
+            self.fraction, self.cost = self.trial, cost
+            self._try(self.direction, self.phase)
+        elif self.phase == "up":
+            self._try(-self.direction, "down")
+        else:
+            self._halve()
+
+    def _start_scan(self) -> None:
+        self._queue = sorted(set(self.grid) | {self.fraction})
+        self.scanned, self.phase, self._rest = {}, "scan", 0
+        self.trial = self._queue.pop(0)
+
+    def _try(self, direction: int, phase: str) -> None:
+        trial = min(1.0, max(0.0, self.fraction + direction * self.step))
+        if trial == self.fraction:  # at a bound: nothing to try that way
+            if phase == "up":
+                self._try(-direction, "down")
+            else:
+                self._halve()
+            return
+        self.trial, self.direction, self.phase = trial, direction, phase
+
+    def _halve(self) -> None:
+        self.trial = None
+        self.step /= 2
+        self.phase = "rest" if self.step < self.min_step else "base"
+
+    def stats(self) -> dict:
+        return {"fraction": self.fraction, "trial": self.trial, "step": self.step, "phase": self.phase,
+                "cost_seconds_per_step": self.cost, "windows": self.windows,
+                "scanned": {f"{f:.3f}": c for f, c in sorted(self.scanned.items())}}
