@@ -168,7 +168,10 @@ def _delta(before: dict, after: dict) -> dict:
     """Counters of the measured request alone (after - before); gauges from ``after``."""
     b = before.get("experts") or before.get("backend") or {}
     a = after.get("experts") or after.get("backend") or {}
-    experts = {k: (a[k] - b.get(k, 0)) if isinstance(a[k], (int, float)) and k != "fetch_fraction" else a[k] for k in a}
+    def counter(k: str) -> bool:  # a number on both sides (a rate may be None before its first measurement)
+        return k != "fetch_fraction" and all(isinstance(v, (int, float)) for v in (a[k], b.get(k, 0)))
+
+    experts = {k: a[k] - b.get(k, 0) if counter(k) else a[k] for k in a}
     return {"experts": experts, "vram_gib": after.get("vram_gib")}
 
 

@@ -51,3 +51,16 @@ def test_a_failing_backend_is_recorded_and_the_rest_run(tmp_path, demo_ckpt):
     assert proc.returncode == 1
     assert not rows[0]["ok"] and "minimum" in rows[0]["error"] + rows[0].get("log_tail", "")
     assert rows[1]["ok"] and rows[1]["backend"] == "resident"
+
+
+def test_stats_delta_takes_counters_and_keeps_late_rates():
+    """Counters are differenced over the measured request; a rate first measured during it (None
+    before, as cpu's PCIe rate is) is kept as it is, not a crash (H200 run 8)."""
+    from benchmarks.bench_decode_moe import _delta
+
+    before = {"experts": {"hits": 10, "misses": 4, "pcie_bytes_per_second": None, "fetch_fraction": 0.3}}
+    after = {"experts": {"hits": 25, "misses": 9, "pcie_bytes_per_second": 4e10, "fetch_fraction": 0.4},
+             "vram_gib": 11.0}
+    d = _delta(before, after)
+    assert d["experts"] == {"hits": 15, "misses": 5, "pcie_bytes_per_second": 4e10, "fetch_fraction": 0.4}
+    assert d["vram_gib"] == 11.0

@@ -44,6 +44,10 @@ def test_row_result_independent_of_batch_neighbours():
     alone = _draw(logits[2:3], params[:1], [11])
     batched = _draw(logits, params, [1, 2, 11, 4])
     assert batched[2] == alone[0]
+    # neighbours with other filters (a larger top-k, none at all) change nothing either
+    mixed = [SamplingParams(temperature=0.8, top_k=200), SamplingParams(temperature=1.0),
+             params[0], SamplingParams(temperature=0.0)]
+    assert _draw(logits, mixed, [1, 2, 11, 4])[2] == alone[0]
 
 
 @pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (-1, 0.3), (20, 0.5)])
