@@ -39,6 +39,8 @@ class EngineConfig:
     moe_cache_rate: float | None = field(None, help="GPU expert cache size as a share of all L*E experts, 0 < r <= 1")
     moe_cache_auto: bool = field(False, help="size the expert cache to fill the VRAM budget after weights and the KV reserve")
     moe_hybrid_max_fetch: int = field(-1, help="hybrid: most misses fetched per layer and step; -1 = automatic, 0 = all misses on the CPU")
+    moe_cpu_threads: int = field(0, help="cpu/hybrid: CPU executor workers, each pinned to a physical core; 0 = one per core "
+                                         "minus one for the thread driving the GPU")
     gpu_memory_limit: float | None = field(None, help="cap the VRAM budget at this many GiB (emulate a smaller card)")
     max_running_requests: int = field(8, help="most requests decoded together (continuous batching)")
     max_waiting_requests: int = field(64, help="most requests queued before new ones get 429")
@@ -60,6 +62,8 @@ class EngineConfig:
             raise ValueError(f"--moe-cache-rate must be in (0, 1], got {self.moe_cache_rate}")
         if self.moe_hybrid_max_fetch < -1:
             raise ValueError(f"--moe-hybrid-max-fetch must be -1 (auto), 0 or positive, got {self.moe_hybrid_max_fetch}")
+        if self.moe_cpu_threads < 0:
+            raise ValueError(f"--moe-cpu-threads must be 0 (one per physical core) or positive, got {self.moe_cpu_threads}")
         if self.gpu_memory_limit is not None and self.gpu_memory_limit <= 0:
             raise ValueError(f"--gpu-memory-limit must be positive GiB, got {self.gpu_memory_limit}")
         for name in ("max_running_requests", "max_waiting_requests", "max_seq_len"):

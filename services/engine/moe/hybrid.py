@@ -22,8 +22,8 @@ constant rates is not the fastest one (H200 host, issue 4: docs/benchmarks.md ru
 
 Two handoffs on CUDA (TANDEM_HYBRID_GRAPHS): graph mode, the default (GraphHandoff: the stream writes a
 pinned job word, executor worker 0 runs the job, a kernel waits for the done word; capturable, so the
-runner replays decode as a CUDA graph and a background thread corrects the split from the executor's and
-the kernels' timings) and eager (DeviceHandoff, TANDEM_HYBRID_GRAPHS=0: one C++ call submits, enqueuing
+runner replays decode as a CUDA graph; the split is corrected between steps from the executor's totals
+and the kernels' timings, mirrored to pinned memory) and eager (DeviceHandoff, TANDEM_HYBRID_GRAPHS=0: one C++ call submits, enqueuing
 the input copies and a ready flag through the CUDA driver API, one call waits and enqueues the upload;
 decode then runs without graphs, launch-bound: 38 ms/token on the 24-layer benchmark model, run 5).
 c_sync on the H200 host (benchmarks/bench_cpu_executor.py, run 5): graph 22.7 us/layer, eager 40.8 us.
@@ -99,7 +99,7 @@ class HybridBackend:
         self.num_layers = len(ctx.banks.layers)
         self.expert_bytes = ctx.banks.expert_nbytes()
         if num_threads is None:
-            num_threads = default_num_threads(leave_driver_core=ctx.device.type == "cuda")
+            num_threads = ctx.config.moe_cpu_threads or default_num_threads(leave_driver_core=ctx.device.type == "cuda")
         self.executor = CpuExecutor(ctx.banks, num_threads=num_threads)
         if graph_mode is None:
             graph_mode = env("TANDEM_HYBRID_GRAPHS") == "1"
