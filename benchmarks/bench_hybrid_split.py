@@ -45,8 +45,7 @@ def build(lm, config: str, num_slots: int):
     """'offload' | 'cpu' | 'hybrid' | 'hybrid:N' -> a backend over the loaded banks with num_slots slots."""
     kind, _, cap = config.partition(":")
     max_fetch = int(cap) if cap else -1
-    cfg = EngineConfig(model=lm.model_id, device="cuda", dtype="bfloat16", moe_backend=kind,
-                       moe_hybrid_max_fetch=max_fetch)
+    cfg = EngineConfig(model=lm.model_id, device=lm.device.type, moe_backend=kind, moe_hybrid_max_fetch=max_fetch)
     ctx = BackendContext(lm.banks, cfg, lm.device, lm.dtype, lm.spec.top_k, lm.model.non_expert_nbytes())
     if kind == "offload":
         return OffloadBackend(ctx, num_slots=num_slots)
@@ -67,7 +66,7 @@ def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict
     runner = ModelRunner(lm, 1, args.max_seq_len, lm.device, lm.dtype, backend_name=config.partition(":")[0])
     handoff = getattr(backend, "handoff", None)
     stamps = getattr(handoff, "stamps", None)  # graph mode: [L, 3] signal / wait entry / wait exit (ns)
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=lm.device).manual_seed(0)
 
     def sample(logits: torch.Tensor) -> int:  # [1, V] -> token (Gumbel-max at the temperature; host sync)
         if args.temperature <= 0:
@@ -75,18 +74,21 @@ def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict
         u = torch.rand(logits.shape, device=logits.device, generator=gen).clamp_(min=1e-10)
         return int((logits[0].float() / args.temperature - torch.log(-torch.log(u[0]))).argmax())
 
+    def forward(ids: list[int], start: int) -> torch.Tensor:  # eager: the prefill, and decode on the CPU
+        return lm.model(torch.tensor(ids, device=lm.device), torch.arange(start, start + len(ids), device=lm.device),
+                        ForwardBatch(slots=[0], start_pos=[start], query_lens=[len(ids)]), runner.kv)
+
     try:
-        if runner.graphs is None or 1 not in runner.graphs.graphs:
+        graphed = runner.graphs is not None and 1 in runner.graphs.graphs
+        if lm.device.type == "cuda" and not graphed:
             raise RuntimeError("no CUDA graph was captured for decode batch 1 (see the log)")
-        ids = torch.tensor(prompt, device="cuda")
-        logits = lm.model(ids, torch.arange(len(prompt), device="cuda"),
-                          ForwardBatch(slots=[0], start_pos=[0], query_lens=[len(prompt)]), runner.kv)
-        token, pos = sample(logits), len(prompt)
+        token, pos = sample(forward(prompt, 0)), len(prompt)
 
         def step() -> None:  # and report the step time to the backend, as the engine does
             nonlocal token, pos
             t0 = time.perf_counter()
-            token, pos = sample(runner.graphs.run([token], [pos], [0])), pos + 1
+            logits = runner.graphs.run([token], [pos], [0]) if graphed else forward([token], pos)
+            token, pos = sample(logits), pos + 1
             observe = getattr(backend, "observe_decode_step", None)
             if observe is not None:
                 observe(time.perf_counter() - t0, 1)
@@ -128,7 +130,8 @@ def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict
             close()
         del backend, runner
         gc.collect()
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def print_table(rows: list[dict]) -> None:
@@ -172,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_hybrid_split", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="synthetic:qwen3-30b-a3b?layers=24", help="model (default: %(default)s)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cuda (the benchmark); cpu runs decode eagerly in fp32 (a smoke run of the tool)")
     p.add_argument("--cache-rate", type=float, default=0.33, help="share of all experts given GPU slots")
     p.add_argument("--configs", default="offload,cpu,hybrid:1,hybrid:2,hybrid:3,hybrid:4,hybrid",
                    help="comma list of offload | cpu | hybrid | hybrid:N (default: %(default)s)")
@@ -184,16 +189,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the rows and the run's facts to this JSON file")
     p.add_argument("--plot", help="PNG of tok/s against the fixed cap, the other configs as lines")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_hybrid_split: needs CUDA (the handoff and the slot cache live on the GPU)", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_hybrid_split: no CUDA device (--device cpu for a smoke run)", file=sys.stderr)
         return 2
     if args.prompt_len + args.warmup + args.tokens + 8 > args.max_seq_len:
         print(f"--max-seq-len {args.max_seq_len} is too small for prompt + warm-up + tokens", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    lm = load_model(EngineConfig(model=args.model, device="cuda", dtype="bfloat16", moe_backend="offload"),
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    lm = load_model(EngineConfig(model=args.model, device=args.device, dtype=dtype, moe_backend="offload"),
                     attach_backend=False)
-    pin_banks(lm.banks)
+    if args.device == "cuda":
+        pin_banks(lm.banks)
     print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s", flush=True)
     total = len(lm.banks.layers) * lm.banks.layers[0].num_experts
     num_slots = round(args.cache_rate * total)
@@ -204,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(run_config(lm, config, num_slots, prompt, args))
         except Exception as exc:  # one failing config must not lose the others
             rows.append({"config": config, "error": f"{type(exc).__name__}: {exc}"})
-    facts = {"model": args.model, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    facts = {"model": args.model, "device": device_name, "torch": torch.__version__,
              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "cache_rate": args.cache_rate, "slots": num_slots,
              "expert_bytes": lm.banks.expert_nbytes(), "temperature": args.temperature, "command": " ".join(sys.argv)}
     print(f"{args.model}, {num_slots} slots ({args.cache_rate:.0%} of {total} experts), bs=1, T={args.temperature}")

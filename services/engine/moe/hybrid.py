@@ -15,20 +15,21 @@ Steps with more than DECODE_MAX_ROUTES routes (prefill) take the offload path: e
 The split f comes from services/engine/moe/split.py in two stages. The cost model (SplitController) gets
 per step the copy time of the fetched experts, the CPU compute time and c_sync, and moves f so both sides
 finish together; at f = 1 (CPU cannot help) layers run as plain offload, with no CPU submit at all. After
-TUNE_AFTER_STEPS decode steps the tuner (SplitTuner) takes over from that f and hill-climbs on the step
-time the engine reports (observe_decode_step): both paths share the host DRAM, so the equalising f of
-constant rates is not the fastest one (H200 host, issue 4: docs/benchmarks.md run 8).
+TUNE_AFTER_STEPS decode steps the tuner (SplitTuner) takes over: it times a grid of f and the model's f on
+the step time the engine reports (observe_decode_step) and searches around the fastest. Both paths share
+the host DRAM, so the rates the model equalises move with f (H200 host: docs/benchmarks.md runs 8-10).
 `--moe-hybrid-max-fetch N >= 0` fixes the split instead: fetch at most N misses per layer.
 
-Two handoffs on CUDA (TANDEM_HYBRID_GRAPHS): graph mode, the default (GraphHandoff: the stream writes a
-pinned job word, executor worker 0 runs the job, a kernel waits for the done word; capturable, so the
-runner replays decode as a CUDA graph; the split is corrected between steps from the executor's totals
-and the kernels' timings, mirrored to pinned memory) and eager (DeviceHandoff, TANDEM_HYBRID_GRAPHS=0: one C++ call submits, enqueuing
-the input copies and a ready flag through the CUDA driver API, one call waits and enqueues the upload;
-decode then runs without graphs, launch-bound: 38 ms/token on the 24-layer benchmark model, run 5).
+Two handoffs on CUDA (TANDEM_HYBRID_GRAPHS):
+- graph mode, the default (GraphHandoff): the stream writes a pinned job word, executor worker 0 runs the
+  job, a kernel waits for the done word; capturable, so the runner replays decode as a CUDA graph, and
+  what the split needs (executor totals, the kernels' timings and cache counters) is mirrored to pinned
+  memory and read between steps;
+- eager (DeviceHandoff, TANDEM_HYBRID_GRAPHS=0): one C++ call submits, enqueuing the input copies and a
+  ready flag through the CUDA driver API, one call waits and enqueues the upload; decode then runs without
+  graphs, launch-bound (38 ms/token on the 24-layer benchmark model, run 5). The eager layer skips the
+  GPU-weight masking (CPU routes have slot -1, which the GPU kernels skip) and sums in place.
 c_sync on the H200 host (benchmarks/bench_cpu_executor.py, run 5): graph 22.7 us/layer, eager 40.8 us.
-The eager layer skips the GPU-weight masking (CPU routes have slot -1, which the GPU kernels skip) and
-sums in place.
 """
 
 from __future__ import annotations

@@ -1,0 +1,24 @@
+"""benchmarks/bench_hybrid_split.py as a tool: a CPU smoke run of every config kind on Qwen3-30B-A3B's
+routing geometry at an eighth of the width (the numbers themselves live in docs/benchmarks.md)."""
+
+import json
+
+from benchmarks.bench_hybrid_split import main
+
+
+def test_every_config_kind_runs_and_reports_its_split(tmp_path):
+    out, png = tmp_path / "split.json", tmp_path / "split.png"
+    rc = main(["--device", "cpu", "--model", "synthetic:qwen3-moe-mini", "--cache-rate", "0.25",
+               "--configs", "offload,cpu,hybrid:1,hybrid", "--tokens", "12", "--warmup", "30",
+               "--prompt-len", "16", "--max-seq-len", "128", "--json", str(out), "--plot", str(png)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    rows = {r["config"]: r for r in report["rows"]}
+    assert set(rows) == {"offload", "cpu", "hybrid:1", "hybrid"} and not any("error" in r for r in rows.values())
+    for r in rows.values():
+        assert r["tok_s"] > 0 and r["ms_p50"] <= r["ms_p99"]
+        assert 0 < r["misses_per_layer"] <= 8 and r["fetched_per_layer"] <= r["misses_per_layer"] + 1e-9
+    assert rows["offload"]["fetched_per_layer"] == rows["offload"]["misses_per_layer"]  # every miss fetched
+    assert rows["cpu"]["fetched_per_layer"] == 0  # no fetch during cpu decode
+    assert rows["hybrid:1"]["fetched_per_layer"] <= 1
+    assert report["slots"] == round(0.25 * 4 * 128) and png.stat().st_size > 0
