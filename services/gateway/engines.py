@@ -309,8 +309,9 @@ class EnginePool:
                 out[e.model_id] = e
         return out
 
-    def pick(self, model: str) -> EngineState:
-        """The healthy engine serving ``model`` with the fewest outstanding requests.
+    def pick(self, model: str, exclude: set[int] = frozenset()) -> EngineState:
+        """The healthy engine serving ``model`` with the fewest outstanding requests, leaving out the
+        engines whose ``id()`` is in ``exclude`` (already tried by this request).
 
         Raises EngineError 404 for a model no engine ever served (when every engine has been seen),
         503 when the model's engines are all unavailable."""
@@ -321,7 +322,7 @@ class EnginePool:
                                   "invalid_request_error", param="model")
             raise EngineError(503, f"no engine is available to serve `{model}` (engines down or loading)",
                               "service_unavailable", {"Retry-After": "5"})
-        candidates = [e for e in self.engines if e.healthy and e.model_id == model]
+        candidates = [e for e in self.engines if e.healthy and e.model_id == model and id(e) not in exclude]
         if not candidates:
             raise EngineError(503, f"every engine serving `{model}` is unavailable; retry later",
                               "service_unavailable", {"Retry-After": "5"})

@@ -108,11 +108,14 @@ def fit_max_tokens(engine: EngineState, prompt_len: int, max_tokens: int | None,
 
 async def start(pool: EnginePool, gen: Generation):
     """Send the request to its engine; raises EngineError (429/400/503...) before anything streams.
-    An engine that cannot be reached (503) is taken out of rotation and the request goes to the next
-    healthy engine serving the model, if any."""
+    An engine that cannot be reached (503) is taken out of rotation, and one whose queue is full (429)
+    is passed over for this request; either way the request goes to the next healthy engine serving the
+    model that it has not tried, if any (else the client gets that error, Retry-After included)."""
     model = gen.engine.model_id
+    tried: set[int] = set()
     for _ in range(len(pool.engines)):
         engine = gen.engine
+        tried.add(id(engine))
         engine.outstanding += 1  # before the first await: concurrent requests picked next see it
         GatewayMetrics.set_engine_outstanding(engine.client.id, engine.outstanding)
         try:
@@ -120,13 +123,19 @@ async def start(pool: EnginePool, gen: Generation):
         except BaseException as exc:
             engine.outstanding -= 1
             GatewayMetrics.set_engine_outstanding(engine.client.id, engine.outstanding)
-            if not (isinstance(exc, EngineError) and exc.status == 503):
+            if not (isinstance(exc, EngineError) and exc.status in (429, 503)):
                 raise
-            pool.mark_down(engine, str(exc))
-            gen.engine = pool.pick(model)  # raises 503 when no healthy engine is left
+            if exc.status == 503:
+                pool.mark_down(engine, str(exc))
+            try:
+                gen.engine = pool.pick(model, exclude=tried)
+            except EngineError:
+                if exc.status == 429:
+                    raise exc from None  # every engine is full: the client retries after Retry-After
+                raise  # 503: no healthy engine is left
             same_tokenizer = gen.engine.info.get("tokenizer_json") == engine.info.get("tokenizer_json")
             if gen.engine.tokenizer is None or not same_tokenizer:
-                raise  # another tokenizer: the prompt ids would not mean the same text
+                raise exc from None  # another tokenizer: the prompt ids would not mean the same text
     raise EngineError(503, f"no engine could take the request for `{model}`", "service_unavailable",
                       {"Retry-After": "5"})
 

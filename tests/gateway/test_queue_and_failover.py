@@ -1,5 +1,6 @@
 """Back-pressure and engine failure through the gateway: a full waiting queue answers 429 with
-Retry-After; an engine that dies gives 503 and is taken back once it is healthy again."""
+Retry-After (after the other engines serving the model were tried); an engine that dies gives 503 and
+is taken back once it is healthy again."""
 
 from __future__ import annotations
 
@@ -26,21 +27,28 @@ def _stream_forever(url: str, started: threading.Event, stop: threading.Event) -
         started.set()
 
 
+def _fill(engine, gateway_url: str, stop: threading.Event) -> list[threading.Thread]:
+    """Take an engine's one running slot and its one waiting place with endless streams via gateway_url."""
+    threads = []
+    for _ in range(2):
+        started = threading.Event()
+        threads.append(threading.Thread(target=_stream_forever, args=(gateway_url, started, stop), daemon=True))
+        threads[-1].start()
+        if len(threads) == 1:
+            assert started.wait(60)  # running before the second one queues
+    deadline = time.monotonic() + 30
+    while httpx.get(engine.url + "/engine/v1/stats", timeout=10).json()["waiting"] < 1:
+        assert time.monotonic() < deadline, "second request never queued"
+        time.sleep(0.1)
+    return threads
+
+
 def test_queue_full_429_then_engine_down_503_and_recovery(engine_process, gateway_process, free_port):
     engine = engine_process("--model", "demo", "--max-seq-len", "2048", "--max-running-requests", "1",
                             "--max-waiting-requests", "1", port=free_port)
     gateway = gateway_process("--engine", engine.url, "--health-interval-s", "0.3")
     stop = threading.Event()
-    running, waiting = threading.Event(), threading.Event()
-    threads = [threading.Thread(target=_stream_forever, args=(gateway.url, running, stop), daemon=True)]
-    threads[0].start()
-    assert running.wait(60)  # the one slot is taken
-    threads.append(threading.Thread(target=_stream_forever, args=(gateway.url, waiting, stop), daemon=True))
-    threads[1].start()
-    deadline = time.monotonic() + 30
-    while httpx.get(engine.url + "/engine/v1/stats", timeout=10).json()["waiting"] < 1:
-        assert time.monotonic() < deadline, "second request never queued"
-        time.sleep(0.1)
+    threads = _fill(engine, gateway.url, stop)
     r = httpx.post(gateway.url + "/v1/completions", json={"model": MODEL, "prompt": "one more", "max_tokens": 4},
                    timeout=30)
     assert r.status_code == 429, r.text
@@ -72,3 +80,28 @@ def test_queue_full_429_then_engine_down_503_and_recovery(engine_process, gatewa
         assert time.monotonic() < deadline, f"gateway never took the engine back: {r.status_code} {r.text}"
         time.sleep(0.3)
     assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_a_full_engine_passes_the_request_to_another(engine_process, gateway_process):
+    """Engine A's queue is full through another gateway; the routing gateway sees no load on A (tie: A
+    first), gets A's 429 and sends the request to B instead of failing it. Both full: the client gets 429."""
+    a, b = (engine_process("--model", "demo", "--max-seq-len", "2048", "--max-running-requests", "1",
+                           "--max-waiting-requests", "1") for _ in range(2))
+    stop = threading.Event()
+    threads = _fill(a, gateway_process("--engine", a.url).url, stop)
+    try:
+        gateway = gateway_process("--engine", f"{a.url},{b.url}")
+        before = httpx.get(b.url + "/engine/v1/stats", timeout=10).json()["requests_finished"]
+        r = httpx.post(gateway.url + "/v1/completions", json={"model": MODEL, "prompt": "one more", "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        assert httpx.get(b.url + "/engine/v1/stats", timeout=10).json()["requests_finished"] == before + 1
+        threads += _fill(b, gateway_process("--engine", b.url).url, stop)
+        r = httpx.post(gateway.url + "/v1/completions", json={"model": MODEL, "prompt": "and more", "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 429 and r.headers.get("retry-after"), r.text
+        assert r.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
