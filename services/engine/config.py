@@ -45,6 +45,8 @@ class EngineConfig:
     max_running_requests: int = field(8, help="most requests decoded together (continuous batching)")
     max_waiting_requests: int = field(64, help="most requests queued before new ones get 429")
     max_seq_len: int = field(4096, help="most tokens (prompt + generated) per request; also sizes the KV cache")
+    max_prefill_tokens: int | None = field(None, help="most prompt tokens computed per step; longer prompts are prefilled in "
+                                                      "chunks, so running requests keep decoding (default: whole prompts)")
     host: str = field("127.0.0.1", help="address to listen on")
     port: int = field(8001, help="port to listen on")
     seed: int = field(0, help="seed for synthetic weights and the demo checkpoint")
@@ -66,6 +68,8 @@ class EngineConfig:
             raise ValueError(f"--moe-cpu-threads must be 0 (one per physical core) or positive, got {self.moe_cpu_threads}")
         if self.gpu_memory_limit is not None and self.gpu_memory_limit <= 0:
             raise ValueError(f"--gpu-memory-limit must be positive GiB, got {self.gpu_memory_limit}")
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens <= 0:
+            raise ValueError(f"--max-prefill-tokens must be positive, got {self.max_prefill_tokens}")
         for name in ("max_running_requests", "max_waiting_requests", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")

@@ -181,7 +181,7 @@ class Engine:
         self.runner = ModelRunner(self.loaded, cfg.max_running_requests, cfg.max_seq_len, device, dtype,
                                   backend_name=cfg.moe_backend.value)
         self.scheduler = Scheduler(cfg.max_running_requests, cfg.max_waiting_requests, cfg.max_seq_len,
-                                   self._info["eos_token_ids"])
+                                   self._info["eos_token_ids"], max_prefill_tokens=cfg.max_prefill_tokens)
         log.info("loaded %s in %.1f s", self.loaded.model_id, time.monotonic() - t0)
 
     def _on_progress(self, progress: dict) -> None:
@@ -232,17 +232,20 @@ class Engine:
         prev = [r.last_token_time for r in batch.requests]
         self.scheduler.postprocess(batch, token_ids)
         now = time.monotonic()
-        self._window.append((now, len(token_ids)))
+        generated = sum(t is not None for t in token_ids)
+        self._window.append((now, generated))
         while self._window[0][0] < now - THROUGHPUT_WINDOW_S:  # pruned here, on the model thread only
             self._window.popleft()
         self._totals["steps"] += 1
-        self._totals["tokens_generated"] += len(token_ids)
+        self._totals["tokens_generated"] += generated
         m = self.metrics
         sched = self.scheduler.stats()
         m.observe_step(sched["running"], sched["waiting"], sched["kv_usage"],
                        prompt_tokens=batch.num_tokens - (len(batch.requests) - batch.num_prefill),
-                       generation_tokens=len(token_ids))
-        for req, last in zip(batch.requests, prev):
+                       generation_tokens=generated)
+        for req, last, tok in zip(batch.requests, prev, token_ids):
+            if tok is None:  # a prompt chunk: no token yet
+                continue
             if last is None:
                 m.observe_first_token(now - req.arrival_time)
             else:

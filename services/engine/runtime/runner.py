@@ -68,17 +68,27 @@ class ModelRunner:
             log.info("expert backend is not CUDA-graph safe: decode steps run eagerly")
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int]:
-        """Forward the batch and return one sampled token id per sequence (N ints)."""
+    def run(self, batch: ScheduledBatch) -> list[int | None]:
+        """Forward the batch and return one sampled token id per sequence (N entries; None for a prompt
+        chunk that does not end its prompt: nothing is sampled, its generator is not touched)."""
         logits = None
         if self.graphs is not None and batch.num_prefill == 0:
             logits = self.graphs.run(batch.input_ids, batch.positions, batch.slots)  # [N, V] or None
         if logits is None:
             logits = self.forward_eager(batch)
-        for req in batch.requests:
+        rows = [i for i, s in enumerate(batch.samples or [True] * len(batch.requests)) if s]
+        reqs = [batch.requests[i] for i in rows]
+        for req in reqs:
             if req.generator is None and not req.params.greedy:
                 req.generator = make_generator(req.params.seed, self.device)
-        return self.sampler(logits, [r.params for r in batch.requests], [r.generator for r in batch.requests])
+        out: list[int | None] = [None] * len(batch.requests)
+        if not rows:  # every row a mid-prompt chunk
+            return out
+        if len(rows) < logits.shape[0]:
+            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]  # [n, V]
+        for i, tok in zip(rows, self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs])):
+            out[i] = tok
+        return out
 
     def forward_eager(self, batch: ScheduledBatch) -> torch.Tensor:
         from services.engine.runtime.kv_cache import ForwardBatch

@@ -1,9 +1,12 @@
 """Continuous batching: which requests run in the next forward, and what happens after it.
 
-A step's batch holds the requests admitted this step (their whole prompt: prefill) followed by every
-running request (one token each: decode), all in one ``ForwardBatch`` — tokens of one sequence
-contiguous. Requests wait in a bounded FIFO queue; each running request owns one KV slot
-(``max_running_requests`` slots in all) until it finishes or is aborted.
+A step's batch holds prompt chunks (prefill: up to ``max_prefill_tokens`` prompt tokens per step, the
+requests still prefilling first, then newly admitted ones) followed by every request past its prompt
+(one token each: decode), all in one ``ForwardBatch`` — tokens of one sequence contiguous. A prompt
+longer than the budget is prefilled over several steps (chunked prefill), so a long prompt never stalls
+the running requests' decode for more than one budget's worth of compute; only the step that finishes
+a prompt samples its first token. Requests wait in a bounded FIFO queue; each running request owns
+one KV slot (``max_running_requests`` slots in all) until it finishes or is aborted.
 
 Everything here runs on the engine thread; only ``Request.emit`` crosses to the API side.
 """
@@ -48,6 +51,7 @@ class Request:
     params: SamplingParams
     emit: Callable[[dict], None]  # called on the engine thread with each output (see Scheduler._output)
     output_token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # prompt tokens whose K/V are in the cache (chunked prefill)
     slot: int | None = None
     generator: torch.Generator | None = None  # created by the runner on the compute device
     finish_reason: FinishReason | None = None
@@ -60,10 +64,14 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < len(self.prompt_token_ids)
+
 
 @dataclass
 class ScheduledBatch:
-    """One forward's worth of work: ``requests[:num_prefill]`` prefill, the rest decode one token."""
+    """One forward's worth of work: ``requests[:num_prefill]`` prompt chunks, the rest decode one token."""
 
     requests: list[Request]
     num_prefill: int
@@ -72,6 +80,7 @@ class ScheduledBatch:
     slots: list[int]  # [N]
     start_pos: list[int]  # [N] tokens already in each slot's cache
     query_lens: list[int]  # [N]
+    samples: list[bool] = field(default_factory=list)  # [N] False: a chunk that does not end its prompt
 
     @property
     def num_tokens(self) -> int:
@@ -87,8 +96,9 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.max_seq_len = max_seq_len
         self.eos_token_ids = set(eos_token_ids)
-        # Bound on prompt tokens admitted per step so one big prefill batch does not stall decoding;
-        # a single prompt longer than the budget is still admitted alone.
+        # Prompt tokens computed per step (longer prompts are chunked): bounds how long one step can stall
+        # the running requests' decode. Default: whole prompts (max_seq_len), as chunks of an offloaded
+        # model each fetch the experts they touch again.
         self.max_prefill_tokens = max_prefill_tokens or max(max_seq_len, 2048)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -116,29 +126,34 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
-        """Admit waiting requests into free slots, then build one batch: new prefills + all decodes."""
-        admitted: list[Request] = []
+        """Prompt chunks within the prefill budget (requests still prefilling first, then newly admitted
+        ones into free slots), then one decode token for every request past its prompt."""
+        chunks: list[tuple[Request, int]] = []
         budget = self.max_prefill_tokens
-        while self.waiting and self.free_slots:
-            req = self.waiting[0]
-            if admitted and len(req.prompt_token_ids) > budget:
-                break
-            self.waiting.popleft()
+        for req in self.running:
+            if req.prefilling and budget > 0:
+                n = min(len(req.prompt_token_ids) - req.num_computed, budget)
+                chunks.append((req, n))
+                budget -= n
+        while self.waiting and self.free_slots and budget > 0:
+            req = self.waiting.popleft()
             req.slot = self.free_slots.pop()
-            budget -= len(req.prompt_token_ids)
-            admitted.append(req)
-        decoding = list(self.running)
-        if not admitted and not decoding:
+            self.running.append(req)
+            n = min(len(req.prompt_token_ids), budget)
+            chunks.append((req, n))
+            budget -= n
+        decoding = [r for r in self.running if not r.prefilling]
+        if not chunks and not decoding:
             return None
-        self.running.extend(admitted)
-        batch = ScheduledBatch(admitted + decoding, len(admitted), [], [], [], [], [])
-        for req in admitted:
-            n = len(req.prompt_token_ids)
-            batch.input_ids += req.prompt_token_ids
-            batch.positions += range(n)
+        batch = ScheduledBatch([r for r, _ in chunks] + decoding, len(chunks), [], [], [], [], [])
+        for req, n in chunks:
+            start = req.num_computed
+            batch.input_ids += req.prompt_token_ids[start:start + n]
+            batch.positions += range(start, start + n)
             batch.slots.append(req.slot)
-            batch.start_pos.append(0)
+            batch.start_pos.append(start)
             batch.query_lens.append(n)
+            batch.samples.append(start + n == len(req.prompt_token_ids))
         for req in decoding:
             pos = req.num_tokens - 1  # the last sampled token is not in the cache yet
             batch.input_ids.append(req.output_token_ids[-1])
@@ -146,13 +161,17 @@ class Scheduler:
             batch.slots.append(req.slot)
             batch.start_pos.append(pos)
             batch.query_lens.append(1)
+            batch.samples.append(True)
         return batch
 
-    def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> None:
-        """Append each sampled token, emit it, and retire finished requests (slot freed at once)."""
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int | None]) -> None:
+        """Record the step's prompt chunks, append each sampled token (None: a chunk that did not end its
+        prompt), emit it, and retire finished requests (slot freed at once)."""
         now = time.monotonic()
+        for req, n in zip(batch.requests[:batch.num_prefill], batch.query_lens):
+            req.num_computed += n
         for req, tok in zip(batch.requests, token_ids):
-            if req.finish_reason is not None:  # aborted while the step ran
+            if req.finish_reason is not None or tok is None:  # aborted while the step ran, or mid-prompt
                 continue
             req.output_token_ids.append(tok)
             req.first_token_time = req.first_token_time or now

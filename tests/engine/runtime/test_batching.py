@@ -1,5 +1,6 @@
 """Continuous batching on a real checkpoint: every request of a mixed, staggered batch gets exactly
-the greedy tokens transformers gives it alone; an abort frees its KV slot."""
+the greedy tokens transformers gives it alone (prompts whole or prefilled in chunks); an abort frees
+its KV slot."""
 
 from __future__ import annotations
 
@@ -29,6 +30,17 @@ def engine(request, qwen3):
         pytest.skip("CUDA is not available")
     e = Engine(EngineConfig(model=str(qwen3.dir), device=request.param, max_running_requests=3,
                             max_waiting_requests=16, max_seq_len=64))
+    e.start()
+    e.wait_ready(120)
+    yield e
+    e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def chunked_engine(qwen3):
+    """Prompts prefilled 3 tokens per step: every prompt of PROMPTS but two is chunked."""
+    e = Engine(EngineConfig(model=str(qwen3.dir), device="cpu", max_running_requests=3, max_waiting_requests=16,
+                            max_seq_len=64, max_prefill_tokens=3))
     e.start()
     e.wait_ready(120)
     yield e
@@ -68,6 +80,38 @@ def test_staggered_batch_matches_transformers_alone(engine, qwen3):
         assert tokens == hf_greedy(qwen3.hf, prompt, n)
         assert last["finish_reason"] == "length" and last["completion_tokens"] == n
         assert last["prompt_tokens"] == len(prompt)
+
+
+def test_chunked_prefill_matches_transformers_alone(chunked_engine, qwen3):
+    """Chunks of 3 prompt tokens share steps with the others' decode; tokens are transformers' alone."""
+    lengths = [6, 4, 5, 3, 6]
+
+    async def run():
+        streams = [chunked_engine.submit(f"chunk{i}", prompt, SamplingParams(max_tokens=n, temperature=0,
+                                                                             ignore_eos=True))
+                   for i, (prompt, n) in enumerate(zip(PROMPTS, lengths))]
+        return await asyncio.gather(*(_collect(s) for s in streams))
+
+    steps_before = asyncio.run(chunked_engine.stats())["steps"]
+    for (tokens, last), prompt, n in zip(asyncio.run(run()), PROMPTS, lengths):
+        assert tokens == hf_greedy(qwen3.hf, prompt, n)
+        assert last["prompt_tokens"] == len(prompt) and last["completion_tokens"] == n
+    # 31 prompt tokens at 3 per step cannot take fewer than 11 steps: they really were chunked
+    assert asyncio.run(chunked_engine.stats())["steps"] - steps_before >= 11
+
+
+def test_chunked_prefill_keeps_seeded_sampling(chunked_engine, engine):
+    """A seeded sampled request draws the same tokens whether its prompt was prefilled whole or in
+    chunks: mid-prompt chunks never touch its generator."""
+    if engine.config.device.value != "cpu":
+        pytest.skip("compares with the CPU engine")
+
+    async def run(e):
+        stream = e.submit(f"seeded-{id(e)}", PROMPTS[2], SamplingParams(max_tokens=8, temperature=1.0, seed=5,
+                                                                        ignore_eos=True))
+        return (await _collect(stream))[0]
+
+    assert asyncio.run(run(chunked_engine)) == asyncio.run(run(engine))
 
 
 def test_seeded_sampling_reproducible_in_batches(engine):

@@ -84,3 +84,35 @@ def test_backend_stats_flattened_for_metrics():
     assert (flat["hits"], flat["misses"], flat["fetched"], flat["cpu_computed"]) == (3, 2, 1, 1)
     assert flat["pcie_bytes_per_second"] == 5e10 and flat["cpu_bytes_per_second"] == 7e10
     assert flat["cache"] == raw["cache"] and flat["fetch_fraction"] == 0.4
+
+
+def test_chunked_prefill_keeps_decode_going_and_samples_once():
+    """A 10-token prompt under a 4-token budget is prefilled in 3 steps (4, 4, 2) while the request
+    already running decodes one token in each; only the last chunk samples."""
+    s, outs = Scheduler(2, 8, 64, [EOS], max_prefill_tokens=4), {}
+    s.add(_req("run", [5, 6], outs, max_tokens=8))
+    s.postprocess(s.schedule(), [20])  # "run" prefilled whole (2 <= 4) and sampled
+    s.add(_req("long", list(range(30, 40)), outs, max_tokens=3))
+    chunks = []
+    for step in range(3):
+        b = s.schedule()
+        assert [r.request_id for r in b.requests] == ["long", "run"] and b.num_prefill == 1
+        chunks.append((b.start_pos[0], b.query_lens[0], b.samples))
+        assert b.input_ids[:-1] == list(range(30 + b.start_pos[0], 30 + b.start_pos[0] + b.query_lens[0]))
+        assert b.input_ids[-1] == 20 + step and b.positions[-1] == 2 + step  # "run" decodes every step
+        s.postprocess(b, [None if not b.samples[0] else 90, 21 + step])
+    assert chunks == [(0, 4, [False, True]), (4, 4, [False, True]), (8, 2, [True, True])]
+    assert [o["token_ids"] for o in outs["long"]] == [[90]]  # nothing emitted before the prompt ended
+    b = s.schedule()  # both decode now
+    assert b.num_prefill == 0 and b.input_ids == [23, 90] and b.positions == [5, 10]  # admission order
+
+
+def test_a_new_prompt_takes_what_the_budget_leaves():
+    s, outs = Scheduler(3, 8, 64, [EOS], max_prefill_tokens=6), {}
+    for rid, n in (("a", 4), ("b", 5)):
+        s.add(_req(rid, range(10, 10 + n), outs, max_tokens=2))
+    b = s.schedule()
+    assert b.query_lens == [4, 2] and b.samples == [True, False] and b.num_tokens == 6
+    s.postprocess(b, [50, None])
+    b = s.schedule()  # b's remaining 3 tokens, then a's decode
+    assert [r.request_id for r in b.requests] == ["b", "a"] and b.start_pos == [2, 4] and b.query_lens == [3, 1]
