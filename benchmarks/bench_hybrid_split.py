@@ -3,7 +3,8 @@
     python -m benchmarks.bench_hybrid_split [--model synthetic:qwen3-30b-a3b?layers=24] [--cache-rate 0.33] \
         [--configs offload,cpu,hybrid:1,hybrid:2,hybrid:3,hybrid] [--json out.json] [--plot out.png]
 
-One process loads the model once (CUDA, bf16, banks pinned), then for each config builds the expert
+One process loads the model once (CUDA, bf16, banks pinned; ``--device cpu``: fp32 and eager decode, a
+smoke run of the tool), then for each config builds the expert
 backend with the same number of cache slots and the engine's own ModelRunner (its captured decode
 graphs), prefills a prompt and decodes bs=1, sampling each token at --temperature and reading it on the
 host as the server does:
@@ -11,7 +12,7 @@ host as the server does:
     offload      every miss fetched over PCIe
     cpu          every miss computed by the CPU executor
     hybrid:N     at most N misses per layer fetched, the rest on the CPU (--moe-hybrid-max-fetch N)
-    hybrid       the online controller's split (--moe-hybrid-max-fetch -1)
+    hybrid       the engine's own split: cost model, then the tuner (--moe-hybrid-max-fetch -1)
 
 Per config: ms/token (mean, p50, p99), misses, fetched and CPU experts per layer, and for hybrid/cpu the
 per-layer GPU side (signal -> wait entry: copy of the fetched experts + GEMM of the resident ones) and
@@ -41,17 +42,22 @@ from services.engine.runtime.kv_cache import ForwardBatch
 from services.engine.runtime.runner import ModelRunner
 
 
-def build(lm, config: str, num_slots: int):
-    """'offload' | 'cpu' | 'hybrid' | 'hybrid:N' -> a backend over the loaded banks with num_slots slots."""
+def parse_config(config: str) -> tuple[str, int]:
+    """'offload' | 'cpu' | 'hybrid' | 'hybrid:N' -> (backend, --moe-hybrid-max-fetch); SystemExit naming a bad one."""
     kind, _, cap = config.partition(":")
-    max_fetch = int(cap) if cap else -1
+    if kind not in ("offload", "cpu", "hybrid") or (cap and (kind != "hybrid" or not cap.isdigit())):
+        raise SystemExit(f"bench_hybrid_split: --configs: unknown config {config!r} (offload, cpu, hybrid, hybrid:N)")
+    return kind, int(cap) if cap else -1
+
+
+def build(lm, config: str, num_slots: int):
+    """A backend for ``config`` over the loaded banks with num_slots slots."""
+    kind, max_fetch = parse_config(config)
     cfg = EngineConfig(model=lm.model_id, device=lm.device.type, moe_backend=kind, moe_hybrid_max_fetch=max_fetch)
     ctx = BackendContext(lm.banks, cfg, lm.device, lm.dtype, lm.spec.top_k, lm.model.non_expert_nbytes())
     if kind == "offload":
         return OffloadBackend(ctx, num_slots=num_slots)
-    if kind in ("cpu", "hybrid"):
-        return HybridBackend(ctx, MoEBackend(kind), num_slots=num_slots)
-    raise SystemExit(f"--configs: unknown config {config!r} (offload, cpu, hybrid, hybrid:N)")
+    return HybridBackend(ctx, MoEBackend(kind), num_slots=num_slots)
 
 
 def cache_counts(backend) -> tuple[int, int]:
@@ -192,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_hybrid_split: no CUDA device (--device cpu for a smoke run)", file=sys.stderr)
         return 2
+    configs = args.configs.split(",")
+    for config in configs:
+        parse_config(config)  # a typo fails here, not after the model is loaded
     if args.prompt_len + args.warmup + args.tokens + 8 > args.max_seq_len:
         print(f"--max-seq-len {args.max_seq_len} is too small for prompt + warm-up + tokens", file=sys.stderr)
         return 2
@@ -206,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     num_slots = round(args.cache_rate * total)
     prompt = torch.randint(0, lm.spec.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     rows = []
-    for config in tqdm(args.configs.split(","), desc="bench_hybrid_split", unit="config"):
+    for config in tqdm(configs, desc="bench_hybrid_split", unit="config"):
         try:
             rows.append(run_config(lm, config, num_slots, prompt, args))
         except Exception as exc:  # one failing config must not lose the others

@@ -3,6 +3,8 @@ routing geometry at an eighth of the width (the numbers themselves live in docs/
 
 import json
 
+import pytest
+
 from benchmarks.bench_hybrid_split import main
 
 
@@ -22,3 +24,9 @@ def test_every_config_kind_runs_and_reports_its_split(tmp_path):
     assert rows["cpu"]["fetched_per_layer"] == 0  # no fetch during cpu decode
     assert rows["hybrid:1"]["fetched_per_layer"] <= 1
     assert report["slots"] == round(0.25 * 4 * 128) and png.stat().st_size > 0
+
+
+def test_a_bad_config_is_named_before_anything_loads():
+    for bad in ("hybird", "cpu:2", "hybrid:x"):
+        with pytest.raises(SystemExit, match=f"unknown config '{bad}'"):
+            main(["--device", "cpu", "--configs", f"offload,{bad}"])
