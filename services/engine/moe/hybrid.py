@@ -227,7 +227,13 @@ class HybridBackend:
                 self.tuner = SplitTuner(self.controller.fraction)
                 log.info("hybrid: cost model put f at %.3f; tuning it on measured step time", self.tuner.fraction)
         else:
+            was = self.tuner.phase
             self.tuner.observe(seconds / tokens)
+            if self.tuner.phase == "rest" and was != "rest":
+                t = self.tuner
+                scan = ", ".join(f"{f:.2f}: {c * 1e3:.1f}" for f, c in sorted(t.scanned.items()))
+                log.info("hybrid: split settled at f=%.3f (%.2f ms/step; cost model said %.3f); scan ms/step %s",
+                         t.fraction, t.cost * 1e3, self.controller.fraction, scan)
         if self.tuner is not None:
             self._set_q16(fraction_to_q16(self.tuner.current))
         elif self.graph_mode:
