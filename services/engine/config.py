@@ -46,7 +46,7 @@ class EngineConfig:
     max_waiting_requests: int = field(64, help="most requests queued before new ones get 429")
     max_seq_len: int = field(4096, help="most tokens (prompt + generated) per request; also sizes the KV cache")
     max_prefill_tokens: int | None = field(None, help="most prompt tokens computed per step; longer prompts are prefilled in "
-                                                      "chunks, so running requests keep decoding (default: whole prompts)")
+                                                      "chunks, so running requests keep decoding; unset = whole prompts")
     host: str = field("127.0.0.1", help="address to listen on")
     port: int = field(8001, help="port to listen on")
     seed: int = field(0, help="seed for synthetic weights and the demo checkpoint")
