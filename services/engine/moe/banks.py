@@ -22,6 +22,7 @@ from services.common.logging import get_logger
 
 log = get_logger("moe.banks")
 
+
 class ExpertFormat(str, enum.Enum):
     # Weights stored in the model dtype (bf16 or fp32). Quantized formats (mxfp4, int8...) add
     # entries here with their scale banks; nothing else in the tree hard-codes bank names.

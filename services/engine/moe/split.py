@@ -177,13 +177,14 @@ class SplitTuner:
     fastest one, and the step time as a function of f need not have a single minimum; only the step
     time itself says which f is best.
 
-    One window = ``window`` decode steps at one f; its cost is the mean step time. First a scan of
-    ``grid`` plus the model's f (one window each) picks the best (a grid, not a descent from the model's
-    f: with ~5 misses per layer F is a small integer, so the step time is a staircase in f whose flat
-    treads stop a local search); then a local search: try f + step,
-    then f - step; a neighbour better by ``margin`` is taken and the search goes on that way, otherwise
-    the step halves (the current f measured again first, as the context grows). Below ``min_step`` the
-    tuner rests at its best f and scans again after ``reprobe_every`` steps (routing drifts while serving).
+    One window = ``window`` decode steps at one f; its cost is the mean step time.
+    1. scan: ``grid`` plus the model's f, one window each; the fastest is kept. (A grid, not a descent
+       from the model's f: with ~5 misses per layer F is a small integer, so the step time is a staircase
+       in f whose flat treads stop a local search.)
+    2. local search: try f + step, then f - step; a neighbour faster by ``margin`` is taken and the search
+       goes on that way, otherwise the step halves and the current f is measured again (the context
+       grows meanwhile).
+    3. rest below ``min_step``, at the best f; scan again after ``reprobe_every`` steps (routing drifts).
     """
 
     def __init__(self, start: float, grid: tuple[float, ...] = tuple(i / 8 for i in range(9)), step: float = 1 / 16,
@@ -197,6 +198,8 @@ class SplitTuner:
         self.direction = 1
         self.windows = 0
         self.scanned: dict[float, float] = {}  # f -> mean step seconds, of the last scan
+        self.phase = "scan"  # scan -> up / down / base (local search) -> rest -> scan ...
+        self._queue: list[float] = []  # fractions still to scan
         self._sum, self._n, self._rest = 0.0, 0, 0
         self._start_scan()
 
