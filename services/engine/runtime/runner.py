@@ -76,7 +76,7 @@ class ModelRunner:
             logits = self.graphs.run(batch.input_ids, batch.positions, batch.slots)  # [N, V] or None
         if logits is None:
             logits = self.forward_eager(batch)
-        rows = [i for i, s in enumerate(batch.samples or [True] * len(batch.requests)) if s]
+        rows = [i for i, s in enumerate(batch.samples) if s]
         reqs = [batch.requests[i] for i in rows]
         for req in reqs:
             if req.generator is None and not req.params.greedy:

@@ -80,11 +80,16 @@ class ScheduledBatch:
     slots: list[int]  # [N]
     start_pos: list[int]  # [N] tokens already in each slot's cache
     query_lens: list[int]  # [N]
-    samples: list[bool] = field(default_factory=list)  # [N] False: a chunk that does not end its prompt
 
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
+
+    @property
+    def samples(self) -> list[bool]:
+        """[N] whether each row samples a token: False for a prompt chunk that does not end its prompt."""
+        return [i >= self.num_prefill or start + n == len(req.prompt_token_ids)
+                for i, (req, start, n) in enumerate(zip(self.requests, self.start_pos, self.query_lens))]
 
 
 class Scheduler:
@@ -153,7 +158,6 @@ class Scheduler:
             batch.slots.append(req.slot)
             batch.start_pos.append(start)
             batch.query_lens.append(n)
-            batch.samples.append(start + n == len(req.prompt_token_ids))
         for req in decoding:
             pos = req.num_tokens - 1  # the last sampled token is not in the cache yet
             batch.input_ids.append(req.output_token_ids[-1])
@@ -161,7 +165,6 @@ class Scheduler:
             batch.slots.append(req.slot)
             batch.start_pos.append(pos)
             batch.query_lens.append(1)
-            batch.samples.append(True)
         return batch
 
     def postprocess(self, batch: ScheduledBatch, token_ids: list[int | None]) -> None:
