@@ -43,6 +43,17 @@ def _fill(engine, gateway_url: str, stop: threading.Event) -> list[threading.Thr
     return threads
 
 
+def _complete_until(url: str, status: int, why: str, timeout_s: float = 30.0) -> httpx.Response:
+    """Send a small completion every 0.25 s until the gateway answers ``status``; that response."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30)
+        if r.status_code == status:
+            return r
+        assert time.monotonic() < deadline, f"{why}: {r.status_code} {r.text}"
+        time.sleep(0.25)
+
+
 def test_queue_full_429_then_engine_down_503_and_recovery(engine_process, gateway_process, free_port):
     engine = engine_process("--model", "demo", "--max-seq-len", "2048", "--max-running-requests", "1",
                             "--max-waiting-requests", "1", port=free_port)
@@ -58,27 +69,13 @@ def test_queue_full_429_then_engine_down_503_and_recovery(engine_process, gatewa
         t.join(60)
 
     engine.kill()
-    deadline = time.monotonic() + 30
-    while True:
-        r = httpx.post(gateway.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
-                       timeout=30)
-        if r.status_code == 503:
-            break
-        assert time.monotonic() < deadline, f"gateway never reported the engine down: {r.status_code} {r.text}"
-        time.sleep(0.2)
+    r = _complete_until(gateway.url, 503, "gateway never reported the engine down")
     assert r.json()["error"]["message"]
     assert httpx.get(gateway.url + "/health", timeout=10).status_code == 503
 
     engine.start()  # same port: the gateway must take it back on its own
     engine.wait_healthy()
-    deadline = time.monotonic() + 30
-    while True:
-        r = httpx.post(gateway.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
-                       timeout=30)
-        if r.status_code == 200:
-            break
-        assert time.monotonic() < deadline, f"gateway never took the engine back: {r.status_code} {r.text}"
-        time.sleep(0.3)
+    r = _complete_until(gateway.url, 200, "gateway never took the engine back")
     assert r.json()["usage"]["completion_tokens"] >= 1
 
 
