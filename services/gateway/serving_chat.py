@@ -4,22 +4,14 @@ choice chunk carries finish_reason, an optional usage chunk, then ``data: [DONE]
 
 from __future__ import annotations
 
-import json
 import time
-
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.common.chat_template import ChatTemplateError, render_chat
 from services.gateway import generation as g
-from services.gateway.engines import EngineError, EnginePool
+from services.gateway.engines import EnginePool
 from services.gateway.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                                       ChatChunkChoice, ChatResponseMessage, DeltaMessage, UsageInfo, new_id)
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+                                       ChatChunkChoice, ChatResponseMessage, DeltaMessage, UsageInfo)
+from services.gateway.responses import event_stream, respond, sse
 
 
 def _messages(req: ChatCompletionRequest) -> list[dict]:
@@ -51,26 +43,23 @@ def prepare(pool: EnginePool, req: ChatCompletionRequest) -> g.Generation:
 
 async def create_chat_completion(pool: EnginePool, req: ChatCompletionRequest, is_disconnected=None):
     gen = prepare(pool, req)
-    stream = await g.start(pool, gen)
-    response_id = new_id("chatcmpl")
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(gen, stream, req.model, response_id, include_usage),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
-    if not await g.complete(gen, stream, is_disconnected):
-        return Response(status_code=499)  # client closed the request (nginx's code); nobody reads it
-    body = ChatCompletionResponse(id=response_id, model=req.model, usage=UsageInfo(**gen.usage()),
-                                  choices=[ChatChoice(message=ChatResponseMessage(content=gen.text),
-                                                      finish_reason=gen.finish_reason)])
-    return JSONResponse(body.model_dump())
+
+    def body(response_id: str) -> ChatCompletionResponse:
+        return ChatCompletionResponse(id=response_id, model=req.model, usage=UsageInfo(**gen.usage()),
+                                      choices=[ChatChoice(message=ChatResponseMessage(content=gen.text),
+                                                          finish_reason=gen.finish_reason)])
+
+    return await respond(pool, gen, req, "chatcmpl",
+                         lambda stream, response_id, usage: _stream(gen, stream, req.model, response_id, usage),
+                         body, is_disconnected)
 
 
-async def _stream(gen: g.Generation, stream, model: str, response_id: str, include_usage: bool):
+def _stream(gen: g.Generation, stream, model: str, response_id: str, include_usage: bool):
     created = int(time.time())
 
-    def chunk(delta: DeltaMessage, finish: str | None = None, choices: bool = True) -> str:
+    def chunk(delta: DeltaMessage, finish: str | None = None) -> str:
         c = ChatCompletionChunk(id=response_id, created=created, model=model,
-                                choices=[ChatChunkChoice(delta=delta, finish_reason=finish)] if choices else [])
+                                choices=[ChatChunkChoice(delta=delta, finish_reason=finish)])
         body = c.model_dump(exclude={"usage"})
         body["choices"] = [{**ch, "delta": {k: v for k, v in ch["delta"].items() if v is not None}}
                            for ch in body["choices"]]
@@ -78,19 +67,15 @@ async def _stream(gen: g.Generation, stream, model: str, response_id: str, inclu
             body["usage"] = None
         return sse(body)
 
-    yield chunk(DeltaMessage(role="assistant", content=""))
-    try:
-        async for d in g.deltas(gen, stream):
-            if d.text:
-                yield chunk(DeltaMessage(content=d.text))
-            if d.finish_reason:
-                yield chunk(DeltaMessage(), d.finish_reason)
-    except EngineError as exc:
-        yield sse(exc.body)
-        yield sse("[DONE]")
-        return
-    if include_usage:
-        body = ChatCompletionChunk(id=response_id, created=created, model=model, choices=[],
+    def events_of(d: g.Delta):
+        if d.text:
+            yield chunk(DeltaMessage(content=d.text))
+        if d.finish_reason:
+            yield chunk(DeltaMessage(), d.finish_reason)
+
+    def usage_chunk() -> dict:
+        return ChatCompletionChunk(id=response_id, created=created, model=model, choices=[],
                                    usage=UsageInfo(**gen.usage())).model_dump()
-        yield sse(body)
-    yield sse("[DONE]")
+
+    return event_stream(gen, stream, events_of, usage_chunk if include_usage else None,
+                        opening=[chunk(DeltaMessage(role="assistant", content=""))])

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import time
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-
 from services.gateway import generation as g
-from services.gateway.engines import EngineError, EnginePool
-from services.gateway.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo, new_id
-from services.gateway.serving_chat import SSE_HEADERS, sse
+from services.gateway.engines import EnginePool
+from services.gateway.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
+from services.gateway.responses import event_stream, respond, sse
 
 
 def _prompt_ids(req: CompletionRequest, tokenizer) -> list[int]:
@@ -48,39 +46,29 @@ def prepare(pool: EnginePool, req: CompletionRequest) -> g.Generation:
 
 async def create_completion(pool: EnginePool, req: CompletionRequest, is_disconnected=None):
     gen = prepare(pool, req)
-    stream = await g.start(pool, gen)
-    response_id = new_id("cmpl")
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(gen, stream, req.model, response_id, include_usage),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
-    if not await g.complete(gen, stream, is_disconnected):
-        return Response(status_code=499)  # client closed the request (nginx's code); nobody reads it
-    body = CompletionResponse(id=response_id, model=req.model, usage=UsageInfo(**gen.usage()),
-                              choices=[CompletionChoice(text=gen.text, finish_reason=gen.finish_reason)])
-    return JSONResponse(body.model_dump())
+
+    def body(response_id: str) -> CompletionResponse:
+        return CompletionResponse(id=response_id, model=req.model, usage=UsageInfo(**gen.usage()),
+                                  choices=[CompletionChoice(text=gen.text, finish_reason=gen.finish_reason)])
+
+    return await respond(pool, gen, req, "cmpl",
+                         lambda stream, response_id, usage: _stream(gen, stream, req.model, response_id, usage),
+                         body, is_disconnected)
 
 
-async def _stream(gen: g.Generation, stream, model: str, response_id: str, include_usage: bool):
+def _stream(gen: g.Generation, stream, model: str, response_id: str, include_usage: bool):
     created = int(time.time())
 
-    def chunk(text: str, finish: str | None) -> str:
-        body = CompletionResponse(id=response_id, created=created, model=model,
-                                  choices=[CompletionChoice(text=text, finish_reason=finish)]).model_dump()
-        if not include_usage:
-            body.pop("usage")
-        return sse(body)
+    def events_of(d: g.Delta):
+        if d.text or d.finish_reason:
+            choice = CompletionChoice(text=d.text, finish_reason=d.finish_reason)
+            body = CompletionResponse(id=response_id, created=created, model=model, choices=[choice]).model_dump()
+            if not include_usage:
+                body.pop("usage")
+            yield sse(body)
 
-    try:
-        async for d in g.deltas(gen, stream):
-            if d.text or d.finish_reason:
-                yield chunk(d.text, d.finish_reason)
-    except EngineError as exc:
-        yield sse(exc.body)
-        yield sse("[DONE]")
-        return
-    if include_usage:
-        body = CompletionResponse(id=response_id, created=created, model=model, choices=[],
+    def usage_chunk() -> dict:
+        return CompletionResponse(id=response_id, created=created, model=model, choices=[],
                                   usage=UsageInfo(**gen.usage())).model_dump()
-        yield sse(body)
-    yield sse("[DONE]")
+
+    return event_stream(gen, stream, events_of, usage_chunk if include_usage else None)
