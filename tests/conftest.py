@@ -23,29 +23,19 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.server_process import ServiceProcess, free_port as free_port_now
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServiceProcess:
-    """A `tandem ...` subprocess in its own process group, logging to a file."""
+class TandemProcess(ServiceProcess):
+    """A `tandem KIND ...` subprocess of the tests on 127.0.0.1:``port`` (benchmarks/server_process.py
+    starts, stops and restarts it)."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict, port: int):
-        self.args, self.log_path, self.env, self.port = args, log_path, env, port
+        self.port = port
         self.url = f"http://127.0.0.1:{port}"
-        self.proc: subprocess.Popen | None = None
-        self.start()
-
-    def start(self) -> None:
-        self._log = open(self.log_path, "a")
-        cmd = [sys.executable, "-m", "services.cli", *self.args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=self.env, start_new_session=True)
+        super().__init__(args, log_path, env=env, cwd=ROOT)
 
     def wait_healthy(self, timeout_s: float = 120.0) -> dict:
         """Poll GET /health until it answers 200 with status ok (raise with the log tail otherwise)."""
@@ -64,31 +54,11 @@ class ServiceProcess:
             time.sleep(0.3)
         raise TimeoutError(f"{self.args[0]} not healthy after {timeout_s} s (last: {last}):\n{self.log_tail()}")
 
-    def log_tail(self, lines: int = 40) -> str:
-        self._log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._log.close()
-
-    def kill(self) -> None:
-        """Hard stop (an engine that crashes)."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
 
 @pytest.fixture
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    return _free_port()
+    return free_port_now()
 
 
 @pytest.fixture(scope="session")
@@ -109,12 +79,12 @@ def service_env(demo_dir, tmp_path_factory) -> dict:
 def _processes(kind: str, tmp_path_factory, service_env):
     """Body of the process-factory fixtures: yields ``start(*args, port=, wait=, env=)`` and stops every
     process it started when the fixture ends."""
-    started: list[ServiceProcess] = []
+    started: list[TandemProcess] = []
 
-    def start(*args: str, port: int | None = None, wait: bool = True, env: dict | None = None) -> ServiceProcess:
-        port = port or _free_port()
+    def start(*args: str, port: int | None = None, wait: bool = True, env: dict | None = None) -> TandemProcess:
+        port = port or free_port_now()
         log_path = tmp_path_factory.mktemp(kind) / f"{kind}-{port}.log"
-        p = ServiceProcess([kind, *args, "--host", "127.0.0.1", "--port", str(port)], log_path,
+        p = TandemProcess([kind, *args, "--host", "127.0.0.1", "--port", str(port)], log_path,
                            {**service_env, **(env or {})}, port)
         started.append(p)
         if wait:
@@ -149,7 +119,7 @@ def redis_server(tmp_path_factory):
     """A real redis-server on a free port (no persistence) -> ``redis://127.0.0.1:PORT/0``."""
     exe = shutil.which("redis-server")
     assert exe, "redis-server is not installed (scripts/setup-system.sh installs it)"
-    port = _free_port()
+    port = free_port_now()
     workdir = tmp_path_factory.mktemp("redis")
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
