@@ -126,11 +126,10 @@ class Sampler:
         else:
             top_logits, token_ids = logits.sort(dim=-1, descending=True)
         top_logits = top_logits / per_row([p.temperature for p in params], torch.float32)
-        k = per_row(ks, torch.int64)
-        if shared and k == K:
+        if shared:  # every row keeps all K candidates so far
             drop = torch.zeros_like(top_logits, dtype=torch.bool)
         else:
-            drop = torch.arange(K, device=dev)[None, :] >= k  # [n, K] beyond the row's own k
+            drop = torch.arange(K, device=dev)[None, :] >= per_row(ks, torch.int64)  # [n, K] beyond the row's own k
         probs = top_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         top_p = per_row([p.top_p for p in params], torch.float32)
         mass_before = probs.cumsum(dim=-1) - probs  # [n, K] mass of strictly better tokens
