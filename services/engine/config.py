@@ -41,6 +41,8 @@ class EngineConfig:
     moe_hybrid_max_fetch: int = field(-1, help="hybrid: most misses fetched per layer and step; -1 = automatic, 0 = all misses on the CPU")
     moe_cpu_threads: int = field(0, help="cpu/hybrid: CPU executor workers, each pinned to a physical core; 0 = one per core "
                                          "minus one for the thread driving the GPU")
+    moe_prefetch: int = field(0, help="offload/hybrid: experts per token of the next layer predicted (its router on this "
+                                      "layer's input) and copied while this layer computes; 0 = off")
     gpu_memory_limit: float | None = field(None, help="cap the VRAM budget at this many GiB (emulate a smaller card)")
     max_running_requests: int = field(8, help="most requests decoded together (continuous batching)")
     max_waiting_requests: int = field(64, help="most requests queued before new ones get 429")
@@ -66,6 +68,8 @@ class EngineConfig:
             raise ValueError(f"--moe-hybrid-max-fetch must be -1 (auto), 0 or positive, got {self.moe_hybrid_max_fetch}")
         if self.moe_cpu_threads < 0:
             raise ValueError(f"--moe-cpu-threads must be 0 (one per physical core) or positive, got {self.moe_cpu_threads}")
+        if self.moe_prefetch < 0:
+            raise ValueError(f"--moe-prefetch must be 0 (off) or positive, got {self.moe_prefetch}")
         if self.gpu_memory_limit is not None and self.gpu_memory_limit <= 0:
             raise ValueError(f"--gpu-memory-limit must be positive GiB, got {self.gpu_memory_limit}")
         if self.max_prefill_tokens is not None and self.max_prefill_tokens <= 0:

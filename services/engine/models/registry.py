@@ -23,6 +23,7 @@ from services.engine.models.spec import ModelSpec
 from services.engine.models import synthetic
 from services.engine.runtime.kv_cache import KVCache
 from services.engine.moe.backends import BackendContext, ExpertBackend, make_backend
+from services.engine.moe.prefetch import next_layer_predictors
 from services.engine.moe.banks import ExpertBanks, pin_banks  # noqa: F401 - pin_banks: re-exported
 
 log = get_logger("registry")
@@ -100,7 +101,8 @@ def build_backend(loaded: LoadedModel, config: EngineConfig) -> ExpertBackend:
         pin_banks(loaded.banks)
     ctx = BackendContext(banks=loaded.banks, config=config, device=loaded.device, dtype=loaded.dtype,
                          top_k=loaded.spec.top_k, weight_bytes_on_device=loaded.model.non_expert_nbytes(),
-                         kv_bytes_per_token=KVCache.nbytes_per_token(loaded.spec, loaded.dtype))
+                         kv_bytes_per_token=KVCache.nbytes_per_token(loaded.spec, loaded.dtype),
+                         next_layer_predictors=next_layer_predictors(loaded.model) if config.moe_prefetch else None)
     return make_backend(ctx)
 
 

@@ -43,6 +43,9 @@ class BackendContext:
     top_k: int  # A
     weight_bytes_on_device: int  # non-expert weights already placed (for --moe-cache-auto)
     kv_bytes_per_token: int | None = None  # KV cache bytes per token (--moe-cache-auto keeps a KV reserve)
+    # per MoE layer but the last, the [E, D] predictor of the next layer's routing (moe/prefetch.py);
+    # None: the backend cannot prefetch (--moe-prefetch is then ignored, with a log line)
+    next_layer_predictors: list[torch.Tensor] | None = None
 
 
 BackendFactory = Callable[[BackendContext], ExpertBackend]

@@ -87,12 +87,13 @@ class ExpertCache:
             return ensure_experts(self.state, layer, topk_ids, out, chunk)
         return ensure_experts_reference(self.state, layer, topk_ids, out, chunk)
 
-    def copy_missing(self, max_jobs: int | None = None) -> None:
+    def copy_missing(self, max_jobs: int | None = None, state: CacheState | None = None) -> None:
         """Copy the jobs of the last ``ensure`` for every bank (one fused launch on CUDA). ``max_jobs``: a
-        bound known from the shapes (T*A) that trims the launch grid."""
+        bound known from the shapes (T*A) that trims the launch grid · ``state``: a view of this cache's
+        tables with its own job list (the next-layer prefetch), instead of the cache's jobs."""
         from kernels.gather_copy import copy_missing
 
-        s = self.state
+        s = self.state if state is None else state
         copy_missing(self.plan, s.job_src, s.job_dst, s.job_count, self.copy_mode, max_jobs, self.use_triton)
 
     def stats(self) -> dict:

@@ -8,6 +8,8 @@ Decode data path per MoE layer (each (token, expert) route computed exactly once
     CPU submit             -> hidden, cpu_ids, weights to pinned buffers on the stream; workers start
                               when the stream's flag lands (the host never waits on the GPU here)
     copy_missing           -> the F fetched experts host -> slots, meanwhile
+    prefetch (optional)    -> wait for this layer's predicted experts, start copying the next layer's on a
+                              side stream (--moe-prefetch, services/engine/moe/prefetch.py)
     GPU expert GEMM        -> slot routes only (weights of CPU routes zeroed)
     sync                   -> wait for the CPU, copy its partial up, add
 Steps with more than DECODE_MAX_ROUTES routes (prefill) take the offload path: every miss fetched.
@@ -169,6 +171,7 @@ class HybridBackend:
         t0 = self._mark(moe_layer, 0)
         self.cache.copy_missing(max_jobs=topk_ids.numel())
         marks.append((t0, self._mark(moe_layer, 1)))
+        self._prefetch(moe_layer, hidden, topk_ids)
         # CPU routes have slot -1, which the GPU kernels skip (no weight masking needed: 3 launches saved)
         gate_up, down = self.cache.slot_banks["gate_up"], self.cache.slot_banks["down"]  # [S, 2I, D], [S, D, I]
         if hidden.is_cuda:
@@ -200,6 +203,7 @@ class HybridBackend:
         slot_ids, cpu_ids = self._ensure(layer, topk_ids)  # [T, A] each
         self.handoff.submit(layer, hidden, cpu_ids, topk_weights)
         self.cache.copy_missing(max_jobs=topk_ids.numel())
+        self._prefetch(layer, hidden, topk_ids)
         gate_up, down = self.cache.slot_banks["gate_up"], self.cache.slot_banks["down"]  # CPU routes: slot -1, skipped
         state = self.cache.state
         out = self.handoff.sync_add(layer, moe_decode(hidden, slot_ids, topk_weights, gate_up, down),  # [T, D]
@@ -209,6 +213,13 @@ class HybridBackend:
             self.routes["gpu"] += int((slot_ids >= 0).sum())
             self.routes["cpu"] = self.handoff.poll_stats()["routes"] - self._routes_at_start
         return out
+
+    def _prefetch(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        """After this layer's own copy: wait for its prefetched experts, start the next layer's (--moe-prefetch)."""
+        prefetch = self.offload.prefetching(topk_ids)
+        if prefetch is not None:
+            prefetch.wait(layer)
+            prefetch.issue(layer, hidden)
 
     def observe_decode_step(self, seconds: float, tokens: int) -> bool:
         """Called by the engine after each decode step (model thread, between steps). Graph mode feeds the
@@ -394,6 +405,7 @@ class HybridBackend:
             "split": {**split, "max_fetch": self.max_fetch, "f_q16": self._step_q16, "graph_mode": self.graph_mode,
                       "tuner": self.tuner.stats() if self.tuner is not None else None,
                       "c_sync_calibrated_seconds": self.c_sync_calibrated, "steps": self.totals["split_steps"]},
+            "prefetch": self.offload.prefetch and self.offload.prefetch.stats(),
             "cpu_executor": {"isa": self.executor.isa, "threads": self.executor.num_threads,
                              "jobs": self.totals["cpu_jobs"], "experts_computed": self.totals["cpu_experts"],
                              "routes_computed": self.totals["cpu_routes"]},

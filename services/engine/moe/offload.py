@@ -5,7 +5,8 @@ Legend: T tokens · A experts per token · E experts per layer · S slots · D h
 
 Per MoE layer and chunk:  ensure (LRU, rewrite ids to slots) -> copy_missing (fused H2D) -> expert GEMMs
 straight from the slot banks, grouped per slot (the same two compute paths as `resident`, indexed by slot
-instead of expert: no per-step copy of a whole bank). A step whose unique experts exceed the cache (a long
+instead of expert: no per-step copy of a whole bank). With ``--moe-prefetch P`` a decode step also copies
+the next layer's predicted experts while this one computes (services/engine/moe/prefetch.py). A step whose unique experts exceed the cache (a long
 prefill with S < E) runs ceil(min(E, T*A) / C) chunks; each route is computed in exactly one of them.
 """
 
@@ -18,6 +19,7 @@ from services.engine.config import MoEBackend
 from services.engine.moe.backends import BackendContext, register_backend
 from services.engine.moe.banks import ExpertFormat
 from services.engine.moe.cache import ExpertCache
+from services.engine.moe.prefetch import NextLayerPrefetch
 from services.engine.moe.resident import GATHER_MAX_ROUTES, moe_gathered, moe_grouped
 from services.engine.moe.sizing import CacheGeometry, decide_cache_size
 
@@ -50,6 +52,12 @@ class OffloadBackend:
         elif num_slots < geom.min_slots:
             raise ValueError(f"offload cache of {num_slots} slots is below the minimum of {geom.min_slots}")
         self.cache = ExpertCache(banks, num_slots, ctx.device, use_triton)
+        self.prefetch = make_prefetch(ctx, self.cache)
+
+    def prefetching(self, topk_ids: torch.Tensor) -> NextLayerPrefetch | None:
+        """The prefetcher when this step may use it: decode-sized (T*A <= GATHER_MAX_ROUTES) and slot-safe."""
+        p = self.prefetch
+        return p if p is not None and topk_ids.numel() <= GATHER_MAX_ROUTES and p.fits(topk_ids.shape[0]) else None
 
     def forward(self, moe_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
@@ -57,16 +65,38 @@ class OffloadBackend:
         gate_up, down = self.cache.slot_banks["gate_up"], self.cache.slot_banks["down"]  # [S, 2I, D], [S, D, I]
         gathered = hidden.is_cuda and topk_ids.numel() <= GATHER_MAX_ROUTES  # graph-capturable decode path
         compute = moe_gathered if gathered else moe_grouped
+        prefetch = self.prefetching(topk_ids)  # decode: one chunk
         out = None
         for chunk in range(self.cache.num_chunks(topk_ids.numel())):
             slot_ids = self.cache.ensure(moe_layer, topk_ids, chunk)  # [T, A], -1 outside the chunk
             self.cache.copy_missing(max_jobs=topk_ids.numel())  # a step has at most T*A misses
+            if prefetch is not None:
+                prefetch.wait(moe_layer)  # this layer's prefetched experts have landed
+                prefetch.issue(moe_layer, hidden)  # the next layer's copy runs while this one computes
             part = compute(hidden, slot_ids, topk_weights, gate_up, down)  # [T, D]
             out = part if out is None else out + part
         return out
 
     def stats(self) -> dict:
-        return {"backend": MoEBackend.OFFLOAD.value, "cache": self.cache.stats()}
+        return {"backend": MoEBackend.OFFLOAD.value, "cache": self.cache.stats(), "prefetch": self.prefetch and self.prefetch.stats()}
+
+
+def make_prefetch(ctx: BackendContext, cache: ExpertCache) -> NextLayerPrefetch | None:
+    """The next-layer prefetcher of ``--moe-prefetch P`` (None when off or impossible, with the reason)."""
+    per_token = ctx.config.moe_prefetch
+    if per_token <= 0 or cache.num_layers < 2:
+        return None
+    if ctx.next_layer_predictors is None:
+        log.warning("--moe-prefetch %d: this backend was built without the model's routers; prefetch is off",
+                    per_token)
+        return None
+    prefetch = NextLayerPrefetch(cache, ctx.next_layer_predictors, per_token, ctx.top_k)
+    if not prefetch.fits(1):
+        log.warning("--moe-prefetch %d: a cache of %d slots is too small to prefetch safely (needs %d at one "
+                    "token); prefetch is off", per_token, cache.num_slots, 2 * ctx.top_k + prefetch.per_token)
+        return None
+    log.info("next-layer prefetch: %d experts per token predicted and copied ahead", prefetch.per_token)
+    return prefetch
 
 
 @register_backend(MoEBackend.OFFLOAD)

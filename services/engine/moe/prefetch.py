@@ -1,0 +1,129 @@
+"""Next-layer prefetch for the slot cache (DESIGN.md §3): while layer l computes, copy the experts layer
+l+1 is predicted to route to, so PCIe also works through the time the GPU spends on attention, routing
+and its own experts, in which the offload and hybrid decode paths leave it idle (H200 host: ~150 us of
+every ~630 us layer of hybrid, docs/benchmarks.md run 8).
+
+Legend: T tokens · A experts per token · P experts prefetched per token and layer (--moe-prefetch, <= A) ·
+E experts per layer · S slots · D hidden · L MoE layers.
+
+Prediction (pre-gating): layer l+1's router applied to layer l's MoE input. That input is
+x_l = r / rms(r) * w_l (r the residual stream after attention l, w_l layer l's post-attention norm);
+layer l+1's router sees r' / rms(r') * w_{l+1} with r' = r + moe_l + attn_{l+1}. The branches are small
+against the stream (it is why the same experts recur across layers' neighbours), so with r' ~ r the
+router input is x_l * (w_{l+1} / w_l): the predictor of layer l is ``W_{l+1} * (w_{l+1} / w_l)`` (router
+columns scaled; 0 where w_l = 0, whose component x_l lost), one [T, D] x [D, E] matmul. Of its top-A
+(the predicted routing) the P likeliest experts that are not cached are copied (kernels/prefetch_pick.py):
+P bounds the PCIe bytes spent ahead, on the likeliest misses. How good the guess is depends on the
+model: near-perfect on our synthetic models (their stream changes little from layer to layer), lower on
+trained checkpoints; the engine's stats count what was prefetched and the cache's hits show what it saved.
+
+Order per layer (decode: T*A <= DECODE_MAX_ROUTES; prefill never prefetches):
+    ensure(l), copy_missing(l)   main stream: this layer's own misses first
+    wait(l)                      main waits for the prefetch of l that layer l-1 issued
+    issue(l, x_l)                main: predict, then reserve slots (ensure_experts on a view of the cache
+                                 with its own job list and counters: every table update stays in the
+                                 main stream's order); side stream: copy the reserved experts
+    experts of l, attention l+1, router l+1, ensure(l+1) ... run while the side stream copies; the
+    predicted experts that were right are hits of ensure(l+1).
+Slots are safe: the reserve takes LRU victims, and with S >= 2*T*A + T*P (``fits``) there are always
+older slots than the T*A in use by layer l and the T*P just reserved, so neither stream writes a slot the
+other reads. Smaller caches (tests with a handful of slots) run without prefetch. Under CUDA graphs the
+side stream is forked and joined inside the capture (event record / wait), so replays keep the overlap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from services.engine.moe.cache import ExpertCache
+from services.engine.moe.layer import MoEBlock
+
+
+
+def next_layer_predictors(model) -> list[torch.Tensor]:
+    """Per MoE layer l < L-1 the [E, D] predictor of layer l+1's routing from layer l's MoE input (module
+    docstring), in the router's dtype and device. ``model`` is a MoECausalLM."""
+    moe_layers = [layer for layer in model.model.layers if isinstance(layer.ffn, MoEBlock)]
+    blocks = [layer.ffn for layer in moe_layers]
+    norms = [layer.post_attention_layernorm.weight for layer in moe_layers]
+    out = []
+    with torch.no_grad():
+        for l in range(len(blocks) - 1):
+            w_here, w_next = norms[l].float(), norms[l + 1].float()
+            ratio = torch.where(w_here != 0, w_next / torch.where(w_here != 0, w_here, 1.0), 0.0)  # [D]
+            router = blocks[l + 1].gate.weight  # [E, D]
+            out.append((router.float() * ratio).to(router.dtype).contiguous())
+    return out
+
+
+class NextLayerPrefetch:
+    """Predicts, reserves and copies layer l+1's experts while layer l runs (module docstring)."""
+
+    def __init__(self, cache: ExpertCache, predictors: list[torch.Tensor], per_token: int, top_k: int):
+        """predictors: ``next_layer_predictors(model)`` · per_token: P, the most experts copied ahead per
+        token and layer (clamped to A: only the predicted top-A are candidates) · top_k: A."""
+        if len(predictors) != cache.num_layers - 1:
+            raise ValueError(f"prefetch: {len(predictors)} predictors for {cache.num_layers} MoE layers "
+                             f"(need one per layer but the last)")
+        self.cache = cache
+        self.predictors = predictors
+        self.per_token = min(per_token, top_k)
+        self.top_k = top_k
+        s = cache.state
+        i32 = dict(dtype=torch.int32, device=s.clock.device)
+        i64 = dict(dtype=torch.int64, device=s.clock.device)
+        L, C = cache.num_layers, s.chunk_capacity
+        # the cache's tables and clock, its own jobs (the side stream reads them while the main stream's
+        # ensure writes the cache's) and counters (fetched: experts copied ahead)
+        self.state = dataclasses.replace(s, job_src=torch.zeros(C, **i32), job_dst=torch.zeros(C, **i32),
+                                         job_count=torch.zeros(1, **i32), hits=torch.zeros(L, **i64),
+                                         misses=torch.zeros(L, **i64), fetched=torch.zeros(L, **i64))
+        self.side = torch.cuda.Stream(cache.device) if cache.device.type == "cuda" else None
+        self._events: dict[int, torch.cuda.Event] = {}  # per target layer, made once and re-recorded
+        self._pending: set[int] = set()  # target layers with a copy in flight (the main stream must wait)
+
+    def fits(self, num_tokens: int) -> bool:
+        """Whether a step of ``num_tokens`` tokens may prefetch (slot safety, module docstring)."""
+        return self.cache.num_slots >= num_tokens * (2 * self.top_k + self.per_token)
+
+    def wait(self, layer: int) -> None:
+        """Make the main stream wait for the copy of ``layer``'s prefetched experts (issued at layer-1)."""
+        if layer == 0:  # a new step: forget anything a failed step left behind (never waited across steps)
+            self._pending.clear()
+        if layer in self._pending:
+            self._pending.discard(layer)
+            torch.cuda.current_stream(self.cache.device).wait_event(self._events[layer])
+
+    def issue(self, layer: int, hidden: torch.Tensor) -> None:
+        """Predict layer+1's experts from ``hidden`` [T, D] (layer's MoE input), reserve slots for the P
+        likeliest that are not cached and start their copy (side stream on CUDA; inline elsewhere)."""
+        target = layer + 1
+        if target >= self.cache.num_layers or not self.fits(hidden.shape[0]):
+            return
+        logits = torch.nn.functional.linear(hidden, self.predictors[layer])  # [T, E]
+        cache, state = self.cache, self.state
+        if cache.use_triton:
+            from kernels.ensure_experts import ensure_experts as ensure
+            from kernels.prefetch_pick import prefetch_pick as pick
+        else:
+            from kernels.ensure_experts_ref import ensure_experts_reference as ensure
+            from kernels.prefetch_pick import prefetch_pick_reference as pick
+        picked = pick(logits, state.slot_of_id, target, self.top_k, self.per_token)  # [T, P], -1 = none
+        ensure(state, target, picked, torch.empty(picked.shape, dtype=torch.int32, device=picked.device))
+        if self.side is None:
+            cache.copy_missing(max_jobs=picked.numel(), state=state)
+            return
+        self.side.wait_stream(torch.cuda.current_stream(cache.device))  # after this layer's own copy and the reserve
+        with torch.cuda.stream(self.side):
+            cache.copy_missing(max_jobs=picked.numel(), state=state)
+        event = self._events.get(target)
+        if event is None:
+            event = self._events[target] = torch.cuda.Event()
+        event.record(self.side)
+        self._pending.add(target)
+
+    def stats(self) -> dict:
+        fetched = int(self.state.fetched.sum())  # one device->host copy, when asked
+        return {"per_token": self.per_token, "prefetched": fetched, "bytes_prefetched": fetched * self.cache.expert_nbytes}
