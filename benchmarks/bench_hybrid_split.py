@@ -13,6 +13,8 @@ host as the server does:
     cpu          every miss computed by the CPU executor
     hybrid:N     at most N misses per layer fetched, the rest on the CPU (--moe-hybrid-max-fetch N)
     hybrid       the engine's own split: cost model, then the tuner (--moe-hybrid-max-fetch -1)
+    ...+pP       any of them with the next layer's P likeliest uncached experts copied ahead (--moe-prefetch P)
+    ...+tT       cpu/hybrid with T CPU executor workers (--moe-cpu-threads T)
 
 Per config: ms/token (mean, p50, p99), misses, fetched and CPU experts per layer, and for hybrid/cpu the
 per-layer GPU side (signal -> wait entry: copy of the fetched experts + GEMM of the resident ones) and
@@ -29,6 +31,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -38,38 +41,58 @@ from services.engine.models.registry import load_model, pin_banks
 from services.engine.moe.backends import BackendContext
 from services.engine.moe.hybrid import HybridBackend
 from services.engine.moe.offload import OffloadBackend
+from services.engine.moe.prefetch import next_layer_predictors
 from services.engine.runtime.kv_cache import ForwardBatch
 from services.engine.runtime.runner import ModelRunner
 
 
-def parse_config(config: str) -> tuple[str, int]:
-    """'offload' | 'cpu' | 'hybrid' | 'hybrid:N' -> (backend, --moe-hybrid-max-fetch); SystemExit naming a bad one."""
-    kind, _, cap = config.partition(":")
-    if kind not in ("offload", "cpu", "hybrid") or (cap and (kind != "hybrid" or not cap.isdigit())):
-        raise SystemExit(f"bench_hybrid_split: --configs: unknown config {config!r} (offload, cpu, hybrid, hybrid:N)")
-    return kind, int(cap) if cap else -1
+@dataclass(frozen=True)
+class Config:
+    kind: str  # offload | cpu | hybrid
+    max_fetch: int = -1  # --moe-hybrid-max-fetch
+    prefetch: int = 0  # --moe-prefetch
+    cpu_threads: int = 0  # --moe-cpu-threads (0: the engine's default)
+
+
+def parse_config(config: str) -> Config:
+    """'KIND[:N][+pP][+tT]' (KIND offload | cpu | hybrid; :N hybrid's fixed cap; +pP --moe-prefetch P;
+    +tT --moe-cpu-threads T) -> Config; SystemExit naming a bad one."""
+    head, *options = config.split("+")
+    kind, _, cap = head.partition(":")
+    flags = {o[:1]: o[1:] for o in options}
+    bad = (kind not in ("offload", "cpu", "hybrid") or (cap and (kind != "hybrid" or not cap.isdigit()))
+           or len(flags) != len(options) or any(k not in "pt" or not v.isdigit() for k, v in flags.items()))
+    if bad:
+        raise SystemExit(f"bench_hybrid_split: --configs: unknown config {config!r} "
+                         "(offload | cpu | hybrid | hybrid:N, then optional +pP and +tT)")
+    return Config(kind, int(cap) if cap else -1, int(flags.get("p", 0)), int(flags.get("t", 0)))
 
 
 def build(lm, config: str, num_slots: int):
     """A backend for ``config`` over the loaded banks with num_slots slots."""
-    kind, max_fetch = parse_config(config)
-    cfg = EngineConfig(model=lm.model_id, device=lm.device.type, moe_backend=kind, moe_hybrid_max_fetch=max_fetch)
-    ctx = BackendContext(lm.banks, cfg, lm.device, lm.dtype, lm.spec.top_k, lm.model.non_expert_nbytes())
-    if kind == "offload":
+    c = parse_config(config)
+    cfg = EngineConfig(model=lm.model_id, device=lm.device.type, moe_backend=c.kind, moe_hybrid_max_fetch=c.max_fetch,
+                       moe_prefetch=c.prefetch, moe_cpu_threads=c.cpu_threads)
+    ctx = BackendContext(lm.banks, cfg, lm.device, lm.dtype, lm.spec.top_k, lm.model.non_expert_nbytes(),
+                         next_layer_predictors=next_layer_predictors(lm.model) if c.prefetch else None)
+    if c.kind == "offload":
         return OffloadBackend(ctx, num_slots=num_slots)
-    return HybridBackend(ctx, MoEBackend(kind), num_slots=num_slots)
+    return HybridBackend(ctx, MoEBackend(c.kind), num_slots=num_slots)
 
 
-def cache_counts(backend) -> tuple[int, int]:
+def cache_counts(backend) -> tuple[int, int, int]:
+    """misses, fetched (this layer's own) and experts copied ahead by the next-layer prefetch, so far."""
     s = backend.cache.state
-    return int(s.misses.sum()), int(s.fetched.sum())
+    prefetch = backend.prefetch if isinstance(backend, OffloadBackend) else backend.offload.prefetch
+    ahead = int(prefetch.state.fetched.sum()) if prefetch is not None else 0
+    return int(s.misses.sum()), int(s.fetched.sum()), ahead
 
 
 @torch.inference_mode()
 def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict:
     backend = build(lm, config, num_slots)
     lm.model.set_backend(backend)
-    runner = ModelRunner(lm, 1, args.max_seq_len, lm.device, lm.dtype, backend_name=config.partition(":")[0])
+    runner = ModelRunner(lm, 1, args.max_seq_len, lm.device, lm.dtype, backend_name=parse_config(config).kind)
     handoff = getattr(backend, "handoff", None)
     stamps = getattr(handoff, "stamps", None)  # graph mode: [L, 3] signal / wait entry / wait exit (ns)
     gen = torch.Generator(device=lm.device).manual_seed(0)
@@ -101,7 +124,7 @@ def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict
 
         for _ in range(args.warmup):  # the cache reaches its decode working set; the controller settles
             step()
-        misses0, fetched0 = cache_counts(backend)
+        counts0 = cache_counts(backend)
         poll0 = handoff.poll_stats() if stamps is not None else None
         times, gpu_side, waits = [], [], []
         for _ in range(args.tokens):
@@ -112,11 +135,12 @@ def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict
                 for sig, enter, leave in stamps.tolist():
                     gpu_side.append(enter - sig)
                     waits.append(leave - enter)
-        misses, fetched = (a - b for a, b in zip(cache_counts(backend), (misses0, fetched0)))
+        misses, fetched, ahead = (a - b for a, b in zip(cache_counts(backend), counts0))
         layers = len(lm.banks.layers) * args.tokens
         row = {"config": config, "tokens": args.tokens, "ms_per_token": 1e3 * statistics.fmean(times),
                "ms_p50": 1e3 * statistics.median(times), "ms_p99": 1e3 * sorted(times)[int(0.99 * (len(times) - 1))],
                "misses_per_layer": misses / layers, "fetched_per_layer": fetched / layers,
+               "prefetched_per_layer": ahead / layers,
                "miss_rate": misses / (layers * lm.spec.top_k)}
         row["tok_s"] = 1e3 / row["ms_per_token"]
         if stamps is not None:
@@ -142,7 +166,8 @@ def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict
 
 def print_table(rows: list[dict]) -> None:
     cols = [("config", "{}"), ("tok_s", "{:.1f}"), ("ms_per_token", "{:.2f}"), ("ms_p50", "{:.2f}"), ("ms_p99", "{:.2f}"),
-            ("misses_per_layer", "{:.2f}"), ("fetched_per_layer", "{:.2f}"), ("cpu_experts_per_layer", "{:.2f}"),
+            ("misses_per_layer", "{:.2f}"), ("fetched_per_layer", "{:.2f}"), ("prefetched_per_layer", "{:.2f}"),
+            ("cpu_experts_per_layer", "{:.2f}"),
             ("gpu_side_us", "{:.0f}"), ("wait_us", "{:.0f}"), ("cpu_gbs", "{:.1f}"), ("fetch_fraction", "{:.3f}")]
     print(" | ".join(f"{c:>12}" for c, _ in cols))
     for r in rows:
@@ -159,7 +184,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if "error" not in r]
-    capped = sorted((int(r["config"].split(":")[1]), r["tok_s"]) for r in ok if r["config"].startswith("hybrid:"))
+    capped = sorted((parse_config(r["config"]).max_fetch, r["tok_s"]) for r in ok
+                    if r["config"].startswith("hybrid:") and "+" not in r["config"])
     fig, ax = plt.subplots(figsize=(7, 4))
     if capped:
         ax.plot([c for c, _ in capped], [t for _, t in capped], "o-", label="hybrid, fixed cap N")
@@ -185,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="cuda (the benchmark); cpu runs decode eagerly in fp32 (a smoke run of the tool)")
     p.add_argument("--cache-rate", type=float, default=0.33, help="share of all experts given GPU slots")
     p.add_argument("--configs", default="offload,cpu,hybrid:1,hybrid:2,hybrid:3,hybrid:4,hybrid",
-                   help="comma list of offload | cpu | hybrid | hybrid:N (default: %(default)s)")
+                   help="comma list of offload | cpu | hybrid | hybrid:N, each optionally followed by +pP (prefetch P) "
+                        "and +tT (T CPU workers), e.g. hybrid+p2+t14 (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=128, help="timed decode tokens per config")
     p.add_argument("--warmup", type=int, default=320,
                    help="untimed decode tokens per config first (the controller's split search settles in ~250)")
