@@ -143,3 +143,37 @@ def test_prefetch_off_and_why(hf_checkpoints, loaded, caplog):
     assert build_backend(lm, EngineConfig(model=d, moe_backend="offload", moe_cache_size=4 * A)).stats()["prefetch"] is None
     clamped = build_backend(lm, EngineConfig(model=d, moe_backend="offload", moe_cache_size=4 * A, moe_prefetch=99))
     assert clamped.prefetch.per_token == A
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", [MoEBackend.OFFLOAD, MoEBackend.HYBRID])
+def test_cuda_graph_decode_with_prefetch_equals_resident(kind, hf_checkpoints):
+    """The real data path: the side stream forked and joined inside the runner's captured decode graph,
+    Triton pick/ensure, the fused copy from pinned banks; replayed greedy tokens == resident's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from services.engine.runtime.kv_cache import ForwardBatch
+    from services.engine.runtime.runner import ModelRunner
+
+    d = str(hf_checkpoints["qwen3_moe"].dir)
+    lm = load_model(EngineConfig(model=d, device="cuda"), attach_backend=False)
+    lm.model.set_backend(build_backend(lm, EngineConfig(model=d, device="cuda")))
+    want = greedy_generate(lm, PROMPT, NEW_TOKENS)
+    A = lm.spec.top_k
+    backend = build_backend(lm, EngineConfig(model=d, device="cuda", moe_backend=kind.value, moe_cache_size=2 * A + 2,
+                                             moe_prefetch=2))
+    lm.model.set_backend(backend)
+    try:
+        runner = ModelRunner(lm, 1, 128, lm.device, lm.dtype, backend_name=kind.value)
+        assert runner.graphs is not None and 1 in runner.graphs.graphs
+        ids = torch.tensor(PROMPT, device="cuda")
+        logits = lm.model(ids, torch.arange(len(PROMPT), device="cuda"),
+                          ForwardBatch(slots=[0], start_pos=[0], query_lens=[len(PROMPT)]), runner.kv)
+        tokens, pos = [int(logits[0].argmax())], len(PROMPT)
+        while len(tokens) < NEW_TOKENS:
+            tokens.append(int(runner.graphs.run([tokens[-1]], [pos], [0])[0].argmax()))
+            pos += 1
+        assert tokens == want
+        assert backend.stats()["prefetch"]["prefetched"] > 0
+    finally:
+        getattr(backend, "close", lambda: None)()
