@@ -21,6 +21,8 @@ def flat_backend_stats(raw: dict) -> dict:
     if isinstance(bw, dict):
         out.setdefault("pcie_bytes_per_second", bw.get("pcie"))
         out.setdefault("cpu_bytes_per_second", bw.get("cpu"))
+    if isinstance(raw.get("prefetch"), dict):  # --moe-prefetch: experts copied ahead, a counter like fetched
+        out.setdefault("prefetched", raw["prefetch"]["prefetched"])
     return out
 
 

@@ -8,8 +8,8 @@ Decode data path per MoE layer (each (token, expert) route computed exactly once
     CPU submit             -> hidden, cpu_ids, weights to pinned buffers on the stream; workers start
                               when the stream's flag lands (the host never waits on the GPU here)
     copy_missing           -> the F fetched experts host -> slots, meanwhile
-    prefetch (optional)    -> wait for this layer's predicted experts, start copying the next layer's on a
-                              side stream (--moe-prefetch, services/engine/moe/prefetch.py)
+    prefetch (optional)    -> wait for this layer's predicted experts, reserve slots for the next layer's;
+                              their copy starts after the sync below (--moe-prefetch, moe/prefetch.py)
     GPU expert GEMM        -> slot routes only (weights of CPU routes zeroed)
     sync                   -> wait for the CPU, copy its partial up, add
 Steps with more than DECODE_MAX_ROUTES routes (prefill) take the offload path: every miss fetched.
@@ -171,7 +171,7 @@ class HybridBackend:
         t0 = self._mark(moe_layer, 0)
         self.cache.copy_missing(max_jobs=topk_ids.numel())
         marks.append((t0, self._mark(moe_layer, 1)))
-        self._prefetch(moe_layer, hidden, topk_ids)
+        prefetch = self._prefetch_reserve(moe_layer, hidden, topk_ids)
         # CPU routes have slot -1, which the GPU kernels skip (no weight masking needed: 3 launches saved)
         gate_up, down = self.cache.slot_banks["gate_up"], self.cache.slot_banks["down"]  # [S, 2I, D], [S, D, I]
         if hidden.is_cuda:
@@ -191,7 +191,10 @@ class HybridBackend:
             self.routes["gpu"] += int((slot_ids >= 0).sum())
             self.routes["cpu"] += ex.last_routes
         # one launch: the sum in fp32, rounded once into part's dtype (== (part.float() + cpu_part).to(dtype))
-        return torch.add(part, cpu_part, out=part) if part.dtype == hidden.dtype else (part.float() + cpu_part).to(hidden.dtype)
+        out = torch.add(part, cpu_part, out=part) if part.dtype == hidden.dtype else (part.float() + cpu_part).to(hidden.dtype)
+        if prefetch is not None:
+            prefetch.copy_ahead()  # the CPU's part is in: the copy takes the host DRAM while the CPU is idle
+        return out
 
     def _forward_graph(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor) -> torch.Tensor:
@@ -203,23 +206,27 @@ class HybridBackend:
         slot_ids, cpu_ids = self._ensure(layer, topk_ids)  # [T, A] each
         self.handoff.submit(layer, hidden, cpu_ids, topk_weights)
         self.cache.copy_missing(max_jobs=topk_ids.numel())
-        self._prefetch(layer, hidden, topk_ids)
+        prefetch = self._prefetch_reserve(layer, hidden, topk_ids)
         gate_up, down = self.cache.slot_banks["gate_up"], self.cache.slot_banks["down"]  # CPU routes: slot -1, skipped
         state = self.cache.state
         out = self.handoff.sync_add(layer, moe_decode(hidden, slot_ids, topk_weights, gate_up, down),  # [T, D]
                                     cache_counters=(state.misses, state.fetched))
+        if prefetch is not None:
+            prefetch.copy_ahead()  # the CPU's part is in: the copy takes the host DRAM while the CPU is idle
         if self.count_routes and not torch.cuda.is_current_stream_capturing():
             torch.cuda.synchronize(self.device)
             self.routes["gpu"] += int((slot_ids >= 0).sum())
             self.routes["cpu"] = self.handoff.poll_stats()["routes"] - self._routes_at_start
         return out
 
-    def _prefetch(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
-        """After this layer's own copy: wait for its prefetched experts, start the next layer's (--moe-prefetch)."""
+    def _prefetch_reserve(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor):
+        """After this layer's own copy (--moe-prefetch): wait for its prefetched experts, reserve the next
+        layer's. Returns the prefetcher whose ``copy_ahead`` the caller starts once the CPU's part is in."""
         prefetch = self.offload.prefetching(topk_ids)
         if prefetch is not None:
             prefetch.wait(layer)
-            prefetch.issue(layer, hidden)
+            prefetch.reserve(layer, hidden)
+        return prefetch
 
     def observe_decode_step(self, seconds: float, tokens: int) -> bool:
         """Called by the engine after each decode step (model thread, between steps). Graph mode feeds the

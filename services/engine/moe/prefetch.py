@@ -20,11 +20,17 @@ trained checkpoints; the engine's stats count what was prefetched and the cache'
 Order per layer (decode: T*A <= DECODE_MAX_ROUTES; prefill never prefetches):
     ensure(l), copy_missing(l)   main stream: this layer's own misses first
     wait(l)                      main waits for the prefetch of l that layer l-1 issued
-    issue(l, x_l)                main: predict, then reserve slots (ensure_experts on a view of the cache
+    reserve(l, x_l)              main: predict, then reserve slots (ensure_experts on a view of the cache
                                  with its own job list and counters: every table update stays in the
-                                 main stream's order); side stream: copy the reserved experts
+                                 main stream's order)
+    copy_ahead()                 side stream, from this point of the main stream: copy the reserved experts
+                                 (offload: at once; hybrid: after the CPU's part of l is in, see below)
     experts of l, attention l+1, router l+1, ensure(l+1) ... run while the side stream copies; the
     predicted experts that were right are hits of ensure(l+1).
+In hybrid the CPU executor and the PCIe copies read the same host DRAM, which the CPU alone nearly
+saturates (H200 host, run 11: a prefetch started beside the CPU's work slowed it and gained nothing), so
+hybrid starts the copy when the CPU's part of layer l is in: it then runs while the GPU alone works
+(attention, routing, ~150 us a layer), when the DRAM is otherwise idle.
 Slots are safe: the reserve takes LRU victims, and with S >= 2*T*A + T*P (``fits``) there are always
 older slots than the T*A in use by layer l and the T*P just reserved, so neither stream writes a slot the
 other reads. Smaller caches (tests with a handful of slots) run without prefetch. Under CUDA graphs the
@@ -83,6 +89,7 @@ class NextLayerPrefetch:
         self.side = torch.cuda.Stream(cache.device) if cache.device.type == "cuda" else None
         self._events: dict[int, torch.cuda.Event] = {}  # per target layer, made once and re-recorded
         self._pending: set[int] = set()  # target layers with a copy in flight (the main stream must wait)
+        self._reserved: tuple[int, int] | None = None  # (target layer, job bound) of a reserve not yet copied
 
     def fits(self, num_tokens: int) -> bool:
         """Whether a step of ``num_tokens`` tokens may prefetch (slot safety, module docstring)."""
@@ -92,13 +99,19 @@ class NextLayerPrefetch:
         """Make the main stream wait for the copy of ``layer``'s prefetched experts (issued at layer-1)."""
         if layer == 0:  # a new step: forget anything a failed step left behind (never waited across steps)
             self._pending.clear()
+            self._reserved = None
         if layer in self._pending:
             self._pending.discard(layer)
             torch.cuda.current_stream(self.cache.device).wait_event(self._events[layer])
 
     def issue(self, layer: int, hidden: torch.Tensor) -> None:
-        """Predict layer+1's experts from ``hidden`` [T, D] (layer's MoE input), reserve slots for the P
-        likeliest that are not cached and start their copy (side stream on CUDA; inline elsewhere)."""
+        """``reserve`` then ``copy_ahead`` at once (offload: PCIe is idle from here to the next layer's copy)."""
+        self.reserve(layer, hidden)
+        self.copy_ahead()
+
+    def reserve(self, layer: int, hidden: torch.Tensor) -> None:
+        """Predict layer+1's experts from ``hidden`` [T, D] (layer's MoE input) and reserve slots for the P
+        likeliest that are not cached (main stream); ``copy_ahead`` starts their copy."""
         target = layer + 1
         if target >= self.cache.num_layers or not self.fits(hidden.shape[0]):
             return
@@ -112,12 +125,22 @@ class NextLayerPrefetch:
             from kernels.prefetch_pick import prefetch_pick_reference as pick
         picked = pick(logits, state.slot_of_id, target, self.top_k, self.per_token)  # [T, P], -1 = none
         ensure(state, target, picked, torch.empty(picked.shape, dtype=torch.int32, device=picked.device))
-        if self.side is None:
-            cache.copy_missing(max_jobs=picked.numel(), state=state)
+        self._reserved = (target, picked.numel())
+
+    def copy_ahead(self) -> None:
+        """Copy what the last ``reserve`` took: on the side stream from this point of the main stream (CUDA),
+        inline elsewhere. Where a backend calls it decides when PCIe works on it: hybrid calls it once the
+        CPU's part is in, so the copy takes the host DRAM while the CPU is idle (the two share it)."""
+        if self._reserved is None:
             return
-        self.side.wait_stream(torch.cuda.current_stream(cache.device))  # after this layer's own copy and the reserve
+        (target, max_jobs), self._reserved = self._reserved, None
+        cache = self.cache
+        if self.side is None:
+            cache.copy_missing(max_jobs=max_jobs, state=self.state)
+            return
+        self.side.wait_stream(torch.cuda.current_stream(cache.device))
         with torch.cuda.stream(self.side):
-            cache.copy_missing(max_jobs=picked.numel(), state=state)
+            cache.copy_missing(max_jobs=max_jobs, state=self.state)
         event = self._events.get(target)
         if event is None:
             event = self._events[target] = torch.cuda.Event()

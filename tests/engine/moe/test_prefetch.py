@@ -22,6 +22,7 @@ from services.engine.moe.cache import ExpertCache  # noqa: E402
 from services.engine.moe.layer import MoEBlock  # noqa: E402
 from services.engine.moe.offload import OffloadBackend  # noqa: E402
 from services.engine.moe.prefetch import NextLayerPrefetch, next_layer_predictors  # noqa: E402
+from services.engine.reports import flat_backend_stats  # noqa: E402
 from tests.helpers import greedy_generate  # noqa: E402
 
 PROMPT = [(7 * i + 3) % 120 + 4 for i in range(40)]
@@ -69,6 +70,7 @@ def test_greedy_equals_resident_with_prefetch(arch, kind, hf_checkpoints, loaded
         stats = backend.stats()
         assert stats["prefetch"]["per_token"] == 2 and stats["prefetch"]["prefetched"] > 0
         assert stats["prefetch"]["bytes_prefetched"] == stats["prefetch"]["prefetched"] * stats["cache"]["expert_bytes"]
+        assert flat_backend_stats(stats)["prefetched"] == stats["prefetch"]["prefetched"]  # the engine's stats
     finally:
         getattr(backend, "close", lambda: None)()
 
