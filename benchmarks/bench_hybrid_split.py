@@ -32,6 +32,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -178,27 +179,46 @@ def print_table(rows: list[dict]) -> None:
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
+    """tok/s against hybrid's fixed cap (the other configs as lines) and, when the rows have +pP configs,
+    a second panel: tok/s against --moe-prefetch P, one line per backend kind."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in rows if "error" not in r]
-    capped = sorted((parse_config(r["config"]).max_fetch, r["tok_s"]) for r in ok
-                    if r["config"].startswith("hybrid:") and "+" not in r["config"])
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if capped:
-        ax.plot([c for c, _ in capped], [t for _, t in capped], "o-", label="hybrid, fixed cap N")
-    styles = {"offload": "r--", "cpu": "g--", "hybrid": "b-"}
-    for r in ok:
-        if r["config"] in styles:
-            ax.axhline(r["tok_s"], linestyle=styles[r["config"]][1:], color=styles[r["config"]][0],
-                       label=f"{r['config']} ({r['tok_s']:.1f} tok/s)")
-    ax.set_xlabel("misses fetched per layer, at most (--moe-hybrid-max-fetch)")
-    ax.set_ylabel("decode tok/s (bs=1)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ok = [(parse_config(r["config"]), r) for r in rows if "error" not in r]
+    plain = [(c, r) for c, r in ok if c.cpu_threads == 0]
+    capped = sorted((c.max_fetch, r["tok_s"]) for c, r in plain if c.max_fetch >= 0 and c.prefetch == 0)
+    by_prefetch: dict[str, list[tuple[int, float]]] = {}
+    for c, r in plain:
+        if c.max_fetch < 0:
+            by_prefetch.setdefault(c.kind, []).append((c.prefetch, r["tok_s"]))
+    with_prefetch = any(c.prefetch for c, _ in plain)
+    show_caps = bool(capped) or not with_prefetch  # the cap panel only when there is a curve to draw
+    fig, axes = plt.subplots(1, show_caps + with_prefetch, figsize=(5.5 * (show_caps + with_prefetch) + 1.5, 4),
+                             squeeze=False)
+    styles = {"offload": ("r", "--"), "cpu": ("g", "--"), "hybrid": ("b", "-")}
+    if show_caps:
+        ax = axes[0][0]
+        if capped:
+            ax.plot([n for n, _ in capped], [t for _, t in capped], "o-", label="hybrid, fixed cap N")
+        for c, r in plain:
+            if c.max_fetch < 0 and c.prefetch == 0:
+                color, line = styles[c.kind]
+                ax.axhline(r["tok_s"], linestyle=line, color=color, label=f"{c.kind} ({r['tok_s']:.1f} tok/s)")
+        ax.set_xlabel("misses fetched per layer, at most (--moe-hybrid-max-fetch)")
+    if with_prefetch:
+        ax = axes[0][-1]
+        for kind, points in sorted(by_prefetch.items()):
+            points.sort()
+            ax.plot([p for p, _ in points], [t for _, t in points], "o" + styles[kind][1], color=styles[kind][0],
+                    label=kind)
+        ax.set_xlabel("experts of the next layer copied ahead per token (--moe-prefetch P)")
+    for ax in axes[0]:
+        ax.set_ylabel("decode tok/s (bs=1)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -221,7 +241,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seq-len", type=int, default=640, help="KV window of the decode graph")
     p.add_argument("--json", help="write the rows and the run's facts to this JSON file")
     p.add_argument("--plot", help="PNG of tok/s against the fixed cap, the other configs as lines")
+    p.add_argument("--replot", metavar="JSON", help="print and plot (--plot) the rows of an earlier --json; run nothing")
     args = p.parse_args(argv)
+    if args.replot:
+        report = json.loads(Path(args.replot).read_text())
+        print_table(report["rows"])
+        if args.plot:
+            plot(report["rows"], args.plot, f"{report['model']}, {report['cache_rate']:.0%} of experts cached, "
+                                            f"{report['device']}")
+        return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_hybrid_split: no CUDA device (--device cpu for a smoke run)", file=sys.stderr)
         return 2
