@@ -30,6 +30,8 @@ def test_every_config_kind_runs_and_reports_its_split(tmp_path):
     assert rows["offload+p8"]["misses_per_layer"] < rows["offload"]["misses_per_layer"]
     assert 0 < rows["hybrid:1+p2+t1"]["prefetched_per_layer"] <= 2 and rows["hybrid:1+p2+t1"]["fetched_per_layer"] <= 1
     assert report["slots"] == round(0.25 * 4 * 128) and png.stat().st_size > 0
+    again = tmp_path / "again.png"  # --replot: the table and plot of a saved run, nothing loaded
+    assert main(["--replot", str(out), "--plot", str(again)]) == 0 and again.stat().st_size > 0
 
 
 def test_a_bad_config_is_named_before_anything_loads():
