@@ -41,8 +41,9 @@ class EngineConfig:
     moe_hybrid_max_fetch: int = field(-1, help="hybrid: most misses fetched per layer and step; -1 = automatic, 0 = all misses on the CPU")
     moe_cpu_threads: int = field(0, help="cpu/hybrid: CPU executor workers, each pinned to a physical core; 0 = one per core "
                                          "minus one for the thread driving the GPU")
-    moe_prefetch: int = field(0, help="offload/hybrid: experts per token of the next layer predicted (its router on this "
-                                      "layer's input) and copied while this layer computes; 0 = off")
+    moe_prefetch: int = field(0, help="offload/hybrid: most experts per token copied ahead for the next layer while this "
+                                      "one computes: the likeliest uncached ones of its routing as predicted by its "
+                                      "router on this layer's input (at most top-k); 0 = off")
     gpu_memory_limit: float | None = field(None, help="cap the VRAM budget at this many GiB (emulate a smaller card)")
     max_running_requests: int = field(8, help="most requests decoded together (continuous batching)")
     max_waiting_requests: int = field(64, help="most requests queued before new ones get 429")

@@ -14,6 +14,7 @@ from services.engine.config import EngineConfig
         ({"moe_cache_rate": 1.5}, "--moe-cache-rate"),
         ({"moe_hybrid_max_fetch": -2}, "--moe-hybrid-max-fetch"),
         ({"moe_cpu_threads": -1}, "--moe-cpu-threads"),
+        ({"moe_prefetch": -1}, "--moe-prefetch"),
         ({"gpu_memory_limit": 0}, "--gpu-memory-limit"),
         ({"max_seq_len": 0}, "--max-seq-len"),
         ({"moe_backend": "magic"}, "magic"),

@@ -98,6 +98,9 @@ class HybridBackend:
         self.mode = mode
         self.offload = OffloadBackend(ctx, num_slots, use_triton)  # cache sizing, slots, prefill path
         self.cache = self.offload.cache
+        if mode is MoEBackend.CPU and self.offload.prefetch is not None:  # cpu fetches nothing while decoding
+            log.info("--moe-prefetch is ignored by the cpu backend (every miss is computed on the CPU)")
+            self.offload.prefetch = None
         self.device = ctx.device
         self.num_layers = len(ctx.banks.layers)
         self.expert_bytes = ctx.banks.expert_nbytes()

@@ -145,6 +145,11 @@ def test_prefetch_off_and_why(hf_checkpoints, loaded, caplog):
     assert build_backend(lm, EngineConfig(model=d, moe_backend="offload", moe_cache_size=4 * A)).stats()["prefetch"] is None
     clamped = build_backend(lm, EngineConfig(model=d, moe_backend="offload", moe_cache_size=4 * A, moe_prefetch=99))
     assert clamped.prefetch.per_token == A
+    cpu = build_backend(lm, EngineConfig(model=d, moe_backend="cpu", moe_cache_size=4 * A, moe_prefetch=1))
+    try:  # the cpu backend fetches nothing while decoding, ahead or not
+        assert cpu.offload.prefetch is None and cpu.stats()["prefetch"] is None
+    finally:
+        cpu.close()
 
 
 @pytest.mark.gpu
