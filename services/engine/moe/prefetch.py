@@ -28,9 +28,10 @@ Order per layer (decode: T*A <= DECODE_MAX_ROUTES; prefill never prefetches):
     experts of l, attention l+1, router l+1, ensure(l+1) ... run while the side stream copies; the
     predicted experts that were right are hits of ensure(l+1).
 In hybrid the CPU executor and the PCIe copies read the same host DRAM, which the CPU alone nearly
-saturates (H200 host, run 11: a prefetch started beside the CPU's work slowed it and gained nothing), so
-hybrid starts the copy when the CPU's part of layer l is in: it then runs while the GPU alone works
-(attention, routing, ~150 us a layer), when the DRAM is otherwise idle.
+saturates, so hybrid starts the copy when the CPU's part of layer l is in, aiming at the time the GPU
+alone works (attention, routing, ~150 us a layer). On the H200 host neither placement gains (runs 11-12
+of docs/benchmarks.md: the copy spills into the next layer's CPU work, and DRAM, not PCIe, is what hybrid
+is short of); offload gains 1-5 % at P = 1-2. Hence off by default.
 Slots are safe: the reserve takes LRU victims, and with S >= 2*T*A + T*P (``fits``) there are always
 older slots than the T*A in use by layer l and the T*P just reserved, so neither stream writes a slot the
 other reads. Smaller caches (tests with a handful of slots) run without prefetch. Under CUDA graphs the
@@ -45,7 +46,6 @@ import torch
 
 from services.engine.moe.cache import ExpertCache
 from services.engine.moe.layer import MoEBlock
-
 
 
 def next_layer_predictors(model) -> list[torch.Tensor]:
