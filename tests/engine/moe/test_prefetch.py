@@ -13,7 +13,6 @@ import logging  # noqa: E402
 
 import pytest  # noqa: E402
 
-from kernels.ensure_experts_ref import ensure_experts_reference  # noqa: E402
 from services.engine.config import EngineConfig, MoEBackend  # noqa: E402
 from services.engine.models.causal_lm import MoECausalLM  # noqa: E402
 from services.engine.models.registry import build_backend, load_model  # noqa: E402
