@@ -29,6 +29,25 @@ import triton.language as tl
 from kernels.ensure_experts_ref import CacheState, check_args, ensure_experts_reference, num_chunks  # noqa: F401
 
 
+@triton.jit
+def experts_present(topk_ids_ptr, work_ptr, N, E, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
+    """[BLOCK_E] bool: which of the E experts the N routes at ``topk_ids_ptr`` name (ids outside [0, E)
+    skipped), through the [E] int32 scratch at ``work_ptr``: zeroed, then 1 scattered per route (duplicate
+    routes write the same value). Shared by the ensure kernels (this file, ensure_experts_hybrid.py)."""
+    e_idx = tl.arange(0, BLOCK_E)
+    e_mask = e_idx < E
+    tl.store(work_ptr + e_idx, tl.zeros([BLOCK_E], dtype=tl.int32), mask=e_mask)
+    tl.debug_barrier()
+    for n0 in range(0, N, BLOCK_N):
+        n_idx = n0 + tl.arange(0, BLOCK_N)
+        ids = tl.load(topk_ids_ptr + n_idx, mask=n_idx < N, other=-1).to(tl.int32)
+        valid = (n_idx < N) & (ids >= 0) & (ids < E)
+        tl.store(work_ptr + ids, tl.full([BLOCK_N], 1, tl.int32), mask=valid)
+    tl.debug_barrier()
+    # .cg: read through L2, never a stale L1 line of what this program just wrote
+    return tl.load(work_ptr + e_idx, mask=e_mask, other=0, cache_modifier=".cg") != 0
+
+
 # layer, N and the chunk bounds change from call to call: one compiled variant for all of them
 @triton.jit(do_not_specialize=["layer", "N", "chunk_lo", "chunk_size"])
 def _ensure_experts_kernel(
@@ -46,19 +65,10 @@ def _ensure_experts_kernel(
     now = tl.load(clock_ptr) + 1
     base = layer * E
 
-    # 1. presence of each expert: scatter 1s into the scratch (duplicate routes write the same value).
+    # 1. presence of each expert
     e_idx = tl.arange(0, BLOCK_E)
     e_mask = e_idx < E
-    tl.store(work_ptr + e_idx, tl.zeros([BLOCK_E], dtype=tl.int32), mask=e_mask)
-    tl.debug_barrier()
-    for n0 in range(0, N, BLOCK_N):
-        n_idx = n0 + tl.arange(0, BLOCK_N)
-        ids = tl.load(topk_ids_ptr + n_idx, mask=n_idx < N, other=-1).to(tl.int32)
-        valid = (n_idx < N) & (ids >= 0) & (ids < E)
-        tl.store(work_ptr + ids, tl.full([BLOCK_N], 1, tl.int32), mask=valid)
-    tl.debug_barrier()
-    # .cg: read through L2, never a stale L1 line of what this program just wrote
-    present = tl.load(work_ptr + e_idx, mask=e_mask, other=0, cache_modifier=".cg") != 0
+    present = experts_present(topk_ids_ptr, work_ptr, N, E, BLOCK_N, BLOCK_E)
     p_int = present.to(tl.int32)
     rank = tl.cumsum(p_int, axis=0) - p_int  # [BLOCK_E] exclusive rank in ascending expert id
     in_chunk = present & (rank >= chunk_lo) & (rank < chunk_lo + chunk_size)

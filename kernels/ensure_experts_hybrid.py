@@ -90,11 +90,12 @@ _KERNEL = None
 
 
 def _split_kernel():
-    global _KERNEL, triton, tl
+    global _KERNEL, triton, tl, experts_present  # module globals: the JIT resolves names there
     if _KERNEL is not None:
         return _KERNEL
     import triton
     import triton.language as tl
+    from kernels.ensure_experts import experts_present
 
     @triton.jit
     def _split_misses_kernel(
@@ -110,16 +111,7 @@ def _split_kernel():
         base = layer * E
         e_idx = tl.arange(0, BLOCK_E)
         e_mask = e_idx < E
-        # presence of each expert through the scratch (duplicate routes write the same value)
-        tl.store(work_ptr + e_idx, tl.zeros([BLOCK_E], dtype=tl.int32), mask=e_mask)
-        tl.debug_barrier()
-        for n0 in range(0, N, BLOCK_N):
-            n_idx = n0 + tl.arange(0, BLOCK_N)
-            ids = tl.load(topk_ids_ptr + n_idx, mask=n_idx < N, other=-1).to(tl.int32)
-            valid = (n_idx < N) & (ids >= 0) & (ids < E)
-            tl.store(work_ptr + ids, tl.full([BLOCK_N], 1, tl.int32), mask=valid)
-        tl.debug_barrier()
-        present = tl.load(work_ptr + e_idx, mask=e_mask, other=0, cache_modifier=".cg") != 0
+        present = experts_present(topk_ids_ptr, work_ptr, N, E, BLOCK_N, BLOCK_E)
         cur = tl.load(slot_of_id_ptr + base + e_idx, mask=e_mask, other=-1)
         hit = present & (cur >= 0)
         miss = present & (cur < 0)
