@@ -18,6 +18,12 @@ the text's sha1) lets you check that the backends agree.
     python benchmarks/bench_decode_moe.py --model synthetic:qwen3-30b-a3b?layers=24 \
         --backend resident,offload,hybrid,auto --cache-rate 0.2,0.33,0.5,0.75 --json sweep.jsonl --plot sweep.png
 
+With ``--ceilings physlimits.json`` (the JSON that ``physlimits.py`` writes, measured in the same run)
+every row also gets its bandwidth bound: the missed experts' bytes per decode token (miss rate x top-k x
+MoE layers x expert bytes, plus the experts copied ahead by --moe-prefetch) over the ceiling of the path
+the backend uses — offload the PCIe gather, cpu the CPU's stream read, hybrid (and auto when it runs
+hybrid) the concurrent PCIe + CPU pair — and decode tok/s as a share of it.
+
 A failing backend (even a crash mid-stream) is recorded and the others still run; the exit code is
 non-zero if any failed.
 """
@@ -119,6 +125,39 @@ def engine_summary(stats: dict) -> dict:
     }
 
 
+# physlimits.py keys of the bandwidth each backend's misses move at (GB/s; a pair runs concurrently)
+BOUND_CEILINGS = {"offload": ("h2d_gather_8x9.4MB_GBs",), "cpu": ("c_avx512_stream_read_GBs",),
+                  "hybrid": ("overlap_pcie_GBs", "overlap_cpu_read_GBs")}
+
+
+def load_ceilings(path: Path) -> dict:
+    """physlimits.py's JSON; SystemExit naming the file and what is missing or wrong."""
+    try:
+        ceilings = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--ceilings {path}: cannot read a physlimits.py JSON ({exc})") from None
+    keys = {k for pair in BOUND_CEILINGS.values() for k in pair}
+    missing = sorted(k for k in keys if not isinstance(ceilings.get(k), (int, float)) or ceilings[k] <= 0)
+    if missing:
+        raise SystemExit(f"--ceilings {path}: no positive value for {', '.join(missing)} (not a physlimits.py JSON?)")
+    return ceilings
+
+
+def bandwidth_bound(row: dict, ceilings: dict) -> dict:
+    """The row's bound (module docstring): bytes_per_token, bound_tok_s, bound_ratio and the ceilings used;
+    {} for backends without one (resident) or rows without the needed stats."""
+    moe, rate = row.get("moe"), row.get("miss_rate")
+    kind = row["backend"] if row["backend"] != "auto" else (row.get("auto") or {}).get("running")
+    if not moe or rate is None or kind not in BOUND_CEILINGS or not row.get("completion_tokens"):
+        return {}
+    ahead = (row.get("prefetched") or 0) / row["completion_tokens"]  # experts copied ahead per token
+    per_token = (rate * moe["top_k"] * moe["layers"] + ahead) * moe["expert_bytes"]
+    used = {k: ceilings[k] for k in BOUND_CEILINGS[kind]}
+    bound = sum(used.values()) * 1e9 / per_token
+    return {"bytes_per_token": per_token, "bound_tok_s": bound, "bound_ratio": row["decode_tok_s"] / bound,
+            "bound_ceilings_GBs": used}
+
+
 def warmup_tokens(args: argparse.Namespace) -> int:
     return args.warmup_tokens if args.warmup_tokens is not None else args.decode_tokens
 
@@ -157,6 +196,9 @@ def run_backend(args: argparse.Namespace, backend: str, cache_rate: float | None
         after = httpx.get(f"{server.url}/engine/v1/stats", timeout=10).json()
         row.update(engine_summary(_delta(before, after)))
         row["vram_gib"] = after.get("vram_gib")
+        row["moe"] = info.get("moe")
+        if args.ceilings is not None:
+            row.update(bandwidth_bound(row, args.ceilings))
         row["ok"] = True
     except Exception as exc:  # one failing backend must not stop the others
         row.update(ok=False, error=f"{type(exc).__name__}: {exc}", log_tail=server.log_tail())
@@ -179,6 +221,8 @@ def _delta(before: dict, after: dict) -> dict:
 def print_table(rows: list[dict]) -> None:
     cols = ["backend", "cache_rate", "decode_tok_s", "ttft_ms", "event_ms_p50", "event_ms_p99", "miss_rate", "fetch_share",
             "vram_gib", "output_sha1"]
+    if any("bound_tok_s" in r for r in rows):
+        cols[8:8] = ["bound_tok_s", "bound_ratio"]
     print(" | ".join(f"{c:>12}" for c in cols))
     for r in rows:
         if not r.get("ok"):
@@ -213,7 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", type=Path, default=Path("runs/bench_decode"), help="server logs go here")
     p.add_argument("--json", type=Path, help="append one JSON line per backend (and cache rate) here")
     p.add_argument("--plot", type=Path, help="also plot tok/s against the share of experts cached to this PNG")
+    p.add_argument("--ceilings", type=Path,
+                   help="physlimits.py JSON of this host (same run): add each row's bandwidth bound and ratio")
     args = p.parse_args(argv)
+    if args.ceilings is not None:
+        args.ceilings = load_ceilings(args.ceilings)  # a bad file fails here, before any server starts
 
     args.log_dir.mkdir(parents=True, exist_ok=True)
     prompt = load_prompt(args.prompts, args.prompt_index)

@@ -58,4 +58,7 @@ def build_info(loaded, max_seq_len: int) -> dict:
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     return {"api_version": API_VERSION, "model_id": loaded.model_id, "max_seq_len": max_seq_len,
             "tokenizer_json": tok_path.read_text(), "tokenizer_config": _read_json(model_dir / "tokenizer_config.json"),
-            "generation_config": gen, "eos_token_ids": eos_ids}
+            "generation_config": gen, "eos_token_ids": eos_ids,
+            # the routed-expert geometry (benchmarks turn miss rates into bytes per token with it)
+            "moe": {"layers": len(loaded.banks.layers), "experts": loaded.spec.num_experts,
+                    "top_k": loaded.spec.top_k, "expert_bytes": loaded.banks.expert_nbytes()}}

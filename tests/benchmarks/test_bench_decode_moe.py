@@ -31,10 +31,15 @@ def run_bench(tmp_path, ckpt, *args):
     return proc, rows
 
 
+CEILINGS = {"h2d_gather_8x9.4MB_GBs": 50.0, "c_avx512_stream_read_GBs": 90.0, "overlap_pcie_GBs": 45.0,
+            "overlap_cpu_read_GBs": 60.0, "hbm_copy_rw_GBs": 4000.0}  # physlimits.py's keys, made-up values
+
+
 def test_backends_agree_over_a_cache_sweep_and_plot(tmp_path, demo_ckpt):
-    png = tmp_path / "decode.png"
+    png, ceilings = tmp_path / "decode.png", tmp_path / "physlimits.json"
+    ceilings.write_text(json.dumps(CEILINGS))
     proc, rows = run_bench(tmp_path, demo_ckpt, "--backend", "resident,offload", "--cache-rate", "0.25,0.5",
-                           "--plot", str(png))
+                           "--plot", str(png), "--ceilings", str(ceilings))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [(r["backend"], r["cache_rate"]) for r in rows] == [("resident", None), ("offload", 0.25), ("offload", 0.5)]
     assert all(r["ok"] for r in rows)
@@ -42,6 +47,15 @@ def test_backends_agree_over_a_cache_sweep_and_plot(tmp_path, demo_ckpt):
     for r in rows:
         assert r["completion_tokens"] == 12 and r["decode_tok_s"] > 0 and r["ttft_ms"] > 0
     assert all(0.0 <= r["miss_rate"] <= 1.0 for r in rows[1:])  # read from the engine's stats
+    config = json.loads((demo_ckpt / "config.json").read_text())
+    for r in rows:  # the geometry comes from the engine's /engine/v1/info
+        assert r["moe"]["top_k"] == config["num_experts_per_tok"] and r["moe"]["experts"] == config["num_experts"]
+    assert "bound_tok_s" not in rows[0] and "bound_tok_s" in proc.stdout  # resident: no bandwidth bound
+    for r in rows[1:]:  # offload: the missed bytes per token over the PCIe gather ceiling
+        moe = r["moe"]
+        per_token = r["miss_rate"] * moe["top_k"] * moe["layers"] * moe["expert_bytes"]
+        assert r["bound_tok_s"] == pytest.approx(50e9 / per_token)
+        assert r["bound_ratio"] == pytest.approx(r["decode_tok_s"] / r["bound_tok_s"])
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -64,3 +78,27 @@ def test_stats_delta_takes_counters_and_keeps_late_rates():
     d = _delta(before, after)
     assert d["experts"] == {"hits": 15, "misses": 5, "pcie_bytes_per_second": 4e10, "fetch_fraction": 0.4}
     assert d["vram_gib"] == 11.0
+
+
+def test_bound_follows_the_backend_that_ran_and_counts_prefetched_bytes():
+    from benchmarks.bench_decode_moe import bandwidth_bound
+
+    moe = {"layers": 24, "experts": 128, "top_k": 8, "expert_bytes": 9_437_184}
+    row = {"backend": "auto", "auto": {"running": "hybrid"}, "moe": moe, "miss_rate": 0.5, "prefetched": 240,
+           "completion_tokens": 10, "decode_tok_s": 60.0}
+    got = bandwidth_bound(row, CEILINGS)
+    per_token = (0.5 * 8 * 24 + 24) * moe["expert_bytes"]  # 96 missed + 24 copied ahead per token
+    assert got["bytes_per_token"] == per_token and got["bound_ceilings_GBs"] == {"overlap_pcie_GBs": 45.0,
+                                                                                   "overlap_cpu_read_GBs": 60.0}
+    assert got["bound_tok_s"] == pytest.approx(105e9 / per_token)
+    assert bandwidth_bound({**row, "auto": {"running": "offload"}}, CEILINGS)["bound_ceilings_GBs"] == {
+        "h2d_gather_8x9.4MB_GBs": 50.0}
+    assert bandwidth_bound({**row, "backend": "resident"}, CEILINGS) == {}
+
+
+def test_a_bad_ceilings_file_is_named_before_any_server_starts(tmp_path, demo_ckpt):
+    bad = tmp_path / "physlimits.json"
+    bad.write_text(json.dumps({"h2d_gather_8x9.4MB_GBs": 50.0}))
+    proc, rows = run_bench(tmp_path, demo_ckpt, "--backend", "offload", "--ceilings", str(bad))
+    assert proc.returncode != 0 and not rows
+    assert f"--ceilings {bad}" in proc.stderr and "overlap_pcie_GBs" in proc.stderr
