@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{threads} workers ({isa}), expert {banks.expert_nbytes() / 1e6:.2f} MB, caches {facts['caches']}")
     print(f"{'experts':>8} | {'MB':>7} | {'cold GB/s':>9} | {'warm GB/s':>9} | {'warm/cold':>9}")
     for r in rows:
-        print(f"{r['experts']:>8} | {r['bytes'] / 1e6:>7.1f} | {r['cold_gbs']:>9.1f} | {r['warm_gbs']:>9.1f} | {r['speedup']:>9.2f}")
+        print(f"{r['experts']:>8} | {r['bytes'] / 1e6:>7.1f} | {r['cold_gbs']:>9.1f} | {r['warm_gbs']:>9.1f} | "
+              f"{r['speedup']:>9.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({**facts, "rows": rows}, indent=2))
     return 0

@@ -415,7 +415,7 @@ class HybridBackend:
             "split": {**split, "max_fetch": self.max_fetch, "f_q16": self._step_q16, "graph_mode": self.graph_mode,
                       "tuner": self.tuner.stats() if self.tuner is not None else None,
                       "c_sync_calibrated_seconds": self.c_sync_calibrated, "steps": self.totals["split_steps"]},
-            "prefetch": self.offload.prefetch and self.offload.prefetch.stats(),
+            "prefetch": self.offload.prefetch.stats() if self.offload.prefetch is not None else None,
             "cpu_executor": {"isa": self.executor.isa, "threads": self.executor.num_threads,
                              "jobs": self.totals["cpu_jobs"], "experts_computed": self.totals["cpu_experts"],
                              "routes_computed": self.totals["cpu_routes"]},

@@ -5,9 +5,10 @@ Legend: T tokens · A experts per token · E experts per layer · S slots · D h
 
 Per MoE layer and chunk:  ensure (LRU, rewrite ids to slots) -> copy_missing (fused H2D) -> expert GEMMs
 straight from the slot banks, grouped per slot (the same two compute paths as `resident`, indexed by slot
-instead of expert: no per-step copy of a whole bank). With ``--moe-prefetch P`` a decode step also copies
-the next layer's predicted experts while this one computes (services/engine/moe/prefetch.py). A step whose unique experts exceed the cache (a long
+instead of expert: no per-step copy of a whole bank). A step whose unique experts exceed the cache (a long
 prefill with S < E) runs ceil(min(E, T*A) / C) chunks; each route is computed in exactly one of them.
+With ``--moe-prefetch P`` a decode step also copies the next layer's predicted experts while this one
+computes (services/engine/moe/prefetch.py).
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ class OffloadBackend:
         return out
 
     def stats(self) -> dict:
-        return {"backend": MoEBackend.OFFLOAD.value, "cache": self.cache.stats(), "prefetch": self.prefetch and self.prefetch.stats()}
+        prefetch = self.prefetch.stats() if self.prefetch is not None else None
+        return {"backend": MoEBackend.OFFLOAD.value, "cache": self.cache.stats(), "prefetch": prefetch}
 
 
 def make_prefetch(ctx: BackendContext, cache: ExpertCache) -> NextLayerPrefetch | None:
