@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import sys
 
 from services.common.logging import get_logger, setup_logging
-from services.common.settings import add_dataclass_arguments, dataclass_from_args
+from services.common.settings import add_dataclass_arguments, config_or_exit
 from services.engine.config import EngineConfig
 from services.gateway.app import GatewayConfig, create_app
 
@@ -43,12 +42,8 @@ def curl_example(host: str, port: int, model_id: str, api_key: str | None) -> st
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
-    try:
-        engine_cfg = dataclass_from_args(EngineConfig, args)
-        gateway_cfg = dataclass_from_args(GatewayConfig, args, engines="in-process")
-    except ValueError as exc:
-        print(f"tandem serve: {exc}", file=sys.stderr)
-        return 2
+    engine_cfg = config_or_exit("tandem serve", EngineConfig, args)
+    gateway_cfg = config_or_exit("tandem serve", GatewayConfig, args, engines="in-process")
     import uvicorn
 
     from fastapi import Depends

@@ -4,7 +4,8 @@ Two things live here:
 - ``ENV``: every environment variable Tandem reads, declared once with its default and meaning
   (vLLM ``envs.py`` style). Nothing else reads ``os.environ`` for Tandem settings.
 - ``add_dataclass_arguments`` / ``dataclass_from_args``: CLI flags derived from a config dataclass
-  (SGLang ``ServerArgs`` style), so flag names, defaults and help text cannot drift from the config.
+  (SGLang ``ServerArgs`` style), so flag names, defaults and help text cannot drift from the config;
+  ``config_or_exit``: the same for a command's main, a bad value ending it with one line and status 2.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import dataclasses
 import enum
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -121,6 +123,16 @@ def dataclass_from_args(cls: type, args: argparse.Namespace, **overrides: Any):
         values[f.name] = value
     values.update(overrides)
     return cls(**values)
+
+
+def config_or_exit(prog: str, cls: type, args: argparse.Namespace, **overrides: Any):
+    """``dataclass_from_args`` for a command's main: a value the config rejects (its ValueError) prints
+    ``prog: <why>`` to stderr and exits with status 2, instead of a traceback."""
+    try:
+        return dataclass_from_args(cls, args, **overrides)
+    except ValueError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _optional_base(typ: Any) -> Any:

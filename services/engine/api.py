@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import uuid
 from typing import Any
 
@@ -26,7 +25,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.common.logging import get_logger, setup_logging
-from services.common.settings import add_dataclass_arguments, dataclass_from_args
+from services.common.settings import add_dataclass_arguments, config_or_exit
 from services.engine.config import EngineConfig
 from services.engine.engine import (Engine, EngineNotReadyError, InvalidRequestError, QueueFullError,
                                     RequestStream)
@@ -171,11 +170,7 @@ def build_parser(prog: str = "tandem engine") -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
-    try:
-        config = dataclass_from_args(EngineConfig, args)
-    except ValueError as exc:
-        print(f"tandem engine: {exc}", file=sys.stderr)
-        return 2
+    config = config_or_exit("tandem engine", EngineConfig, args)
     import uvicorn
 
     url = f"http://{config.host}:{config.port}"

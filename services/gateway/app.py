@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.logging import get_logger, setup_logging
-from services.common.settings import add_dataclass_arguments, dataclass_from_args, field
+from services.common.settings import add_dataclass_arguments, config_or_exit, field
 from services.gateway import serving_chat, serving_completions
 from services.gateway.admin import create_router as admin_router
 from services.gateway.auth import AuthError, api_key_guard
@@ -234,11 +233,7 @@ def build_parser(prog: str = "tandem gateway") -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
-    try:
-        config = dataclass_from_args(GatewayConfig, args)
-    except ValueError as exc:
-        print(f"tandem gateway: {exc}", file=sys.stderr)
-        return 2
+    config = config_or_exit("tandem gateway", GatewayConfig, args)
     import uvicorn
 
     clients = [HttpEngineClient(url, engine_id=str(i)) for i, url in enumerate(config.engine_urls)]

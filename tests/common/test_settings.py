@@ -48,3 +48,19 @@ def test_bad_choice_is_rejected(capsys):
     with pytest.raises(SystemExit):
         _parse(["--moe-backend", "magic"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("prog, main, flags, why", [
+    ("tandem engine", "services.engine.api", ["--model", "demo", "--moe-prefetch", "-1"], "--moe-prefetch must be"),
+    ("tandem gateway", "services.gateway.app", ["--max-body-bytes", "0"], "--max-body-bytes must be positive"),
+    ("tandem serve", "services.serve", ["--model", "demo", "--max-seq-len", "0"], "--max-seq-len must be positive"),
+])
+def test_a_bad_flag_ends_a_command_with_one_line_and_status_2(prog, main, flags, why, capsys):
+    """Checked before anything starts (no model load, no server): `prog: why` on stderr, exit status 2."""
+    import importlib
+
+    with pytest.raises(SystemExit) as exc:
+        importlib.import_module(main).main(flags)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{prog}: {why}") and "Traceback" not in err
