@@ -95,7 +95,7 @@ def make_prefetch(ctx: BackendContext, cache: ExpertCache) -> NextLayerPrefetch 
     prefetch = NextLayerPrefetch(cache, ctx.next_layer_predictors, per_token, ctx.top_k)
     if not prefetch.fits(1):
         log.warning("--moe-prefetch %d: a cache of %d slots is too small to prefetch safely (needs %d at one "
-                    "token); prefetch is off", per_token, cache.num_slots, 2 * ctx.top_k + prefetch.per_token)
+                    "token); prefetch is off", per_token, cache.num_slots, prefetch.slots_needed(1))
         return None
     log.info("next-layer prefetch: %d experts per token predicted and copied ahead", prefetch.per_token)
     return prefetch

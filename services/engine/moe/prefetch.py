@@ -91,9 +91,12 @@ class NextLayerPrefetch:
         self._pending: set[int] = set()  # target layers with a copy in flight (the main stream must wait)
         self._reserved: tuple[int, int] | None = None  # (target layer, job bound) of a reserve not yet copied
 
+    def slots_needed(self, num_tokens: int) -> int:
+        """The smallest cache a step of ``num_tokens`` tokens may prefetch with (slot safety, module docstring)."""
+        return num_tokens * (2 * self.top_k + self.per_token)
+
     def fits(self, num_tokens: int) -> bool:
-        """Whether a step of ``num_tokens`` tokens may prefetch (slot safety, module docstring)."""
-        return self.cache.num_slots >= num_tokens * (2 * self.top_k + self.per_token)
+        return self.cache.num_slots >= self.slots_needed(num_tokens)
 
     def wait(self, layer: int) -> None:
         """Make the main stream wait for the copy of ``layer``'s prefetched experts (issued at layer-1)."""
