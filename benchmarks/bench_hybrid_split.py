@@ -15,6 +15,8 @@ host as the server does:
     hybrid       the engine's own split: cost model, then the tuner (--moe-hybrid-max-fetch -1)
     ...+pP       any of them with the next layer's P likeliest uncached experts copied ahead (--moe-prefetch P)
     ...+tT       cpu/hybrid with T CPU executor workers (--moe-cpu-threads T)
+    ...+wW       cpu/hybrid with the next layer's W likeliest uncached experts per token read into the
+                 CPU's caches between jobs, and kept for the CPU by the split (--moe-cpu-warm W)
 
 Per config: ms/token (mean, p50, p99), misses, fetched and CPU experts per layer, and for hybrid/cpu the
 per-layer GPU side (signal -> wait entry: copy of the fetched experts + GEMM of the resident ones) and
@@ -53,29 +55,31 @@ class Config:
     max_fetch: int = -1  # --moe-hybrid-max-fetch
     prefetch: int = 0  # --moe-prefetch
     cpu_threads: int = 0  # --moe-cpu-threads (0: the engine's default)
+    warm: int = 0  # --moe-cpu-warm
 
 
 def parse_config(config: str) -> Config:
-    """'KIND[:N][+pP][+tT]' (KIND offload | cpu | hybrid; :N hybrid's fixed cap; +pP --moe-prefetch P;
-    +tT --moe-cpu-threads T) -> Config; SystemExit naming a bad one."""
+    """'KIND[:N][+pP][+tT][+wW]' (KIND offload | cpu | hybrid; :N hybrid's fixed cap; +pP --moe-prefetch P;
+    +tT --moe-cpu-threads T; +wW --moe-cpu-warm W, cpu/hybrid only) -> Config; SystemExit naming a bad one."""
     head, *options = config.split("+")
     kind, _, cap = head.partition(":")
     flags = {o[:1]: o[1:] for o in options}
     bad = (kind not in ("offload", "cpu", "hybrid") or (cap and (kind != "hybrid" or not cap.isdigit()))
-           or len(flags) != len(options) or any(k not in "pt" or not v.isdigit() for k, v in flags.items()))
+           or len(flags) != len(options) or any(k not in "ptw" or not v.isdigit() for k, v in flags.items())
+           or (kind == "offload" and "w" in flags))
     if bad:
         raise SystemExit(f"bench_hybrid_split: --configs: unknown config {config!r} "
-                         "(offload | cpu | hybrid | hybrid:N, then optional +pP and +tT)")
-    return Config(kind, int(cap) if cap else -1, int(flags.get("p", 0)), int(flags.get("t", 0)))
+                         "(offload | cpu | hybrid | hybrid:N, then optional +pP, +tT and, not for offload, +wW)")
+    return Config(kind, int(cap) if cap else -1, int(flags.get("p", 0)), int(flags.get("t", 0)), int(flags.get("w", 0)))
 
 
 def build(lm, config: str, num_slots: int):
     """A backend for ``config`` over the loaded banks with num_slots slots."""
     c = parse_config(config)
     cfg = EngineConfig(model=lm.model_id, device=lm.device.type, moe_backend=c.kind, moe_hybrid_max_fetch=c.max_fetch,
-                       moe_prefetch=c.prefetch, moe_cpu_threads=c.cpu_threads)
+                       moe_prefetch=c.prefetch, moe_cpu_threads=c.cpu_threads, moe_cpu_warm=c.warm)
     ctx = BackendContext(lm.banks, cfg, lm.device, lm.dtype, lm.spec.top_k, lm.model.non_expert_nbytes(),
-                         next_layer_predictors=next_layer_predictors(lm.model) if c.prefetch else None)
+                         next_layer_predictors=next_layer_predictors(lm.model) if c.prefetch or c.warm else None)
     if c.kind == "offload":
         return OffloadBackend(ctx, num_slots=num_slots)
     return HybridBackend(ctx, MoEBackend(c.kind), num_slots=num_slots)
@@ -127,6 +131,7 @@ def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict
             step()
         counts0 = cache_counts(backend)
         poll0 = handoff.poll_stats() if stamps is not None else None
+        warm0 = backend.warm.stats() if getattr(backend, "warm", None) is not None else None
         times, gpu_side, waits = [], [], []
         for _ in range(args.tokens):
             t0 = time.perf_counter()
@@ -153,6 +158,9 @@ def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict
                        fetch_fraction=backend.stats()["fetch_fraction"], c_sync_us=backend.c_sync_calibrated * 1e6,
                        tuner=backend.tuner.stats() if backend.tuner is not None else None,
                        executor_error=poll["error"])
+        if warm0 is not None:  # what the CPU read into its caches ahead, per layer; share of warms cut short
+            warm = {k: v - warm0[k] for k, v in backend.warm.stats().items()}
+            row.update(warmed_per_layer=warm["experts"] / layers, warm_cut_short=warm["cut_short"] / max(1, warm["warms"]))
         return row
     finally:
         lm.model.set_backend(None)
@@ -168,7 +176,7 @@ def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict
 def print_table(rows: list[dict]) -> None:
     cols = [("config", "{}"), ("tok_s", "{:.1f}"), ("ms_per_token", "{:.2f}"), ("ms_p50", "{:.2f}"), ("ms_p99", "{:.2f}"),
             ("misses_per_layer", "{:.2f}"), ("fetched_per_layer", "{:.2f}"), ("prefetched_per_layer", "{:.2f}"),
-            ("cpu_experts_per_layer", "{:.2f}"),
+            ("cpu_experts_per_layer", "{:.2f}"), ("warmed_per_layer", "{:.2f}"),
             ("gpu_side_us", "{:.0f}"), ("wait_us", "{:.0f}"), ("cpu_gbs", "{:.1f}"), ("fetch_fraction", "{:.3f}")]
     print(" | ".join(f"{c:>12}" for c, _ in cols))
     for r in rows:
@@ -187,7 +195,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     ok = [(parse_config(r["config"]), r) for r in rows if "error" not in r]
-    plain = [(c, r) for c, r in ok if c.cpu_threads == 0]
+    plain = [(c, r) for c, r in ok if c.cpu_threads == 0 and c.warm == 0]
     capped = sorted((c.max_fetch, r["tok_s"]) for c, r in plain if c.max_fetch >= 0 and c.prefetch == 0)
     by_prefetch: dict[str, list[tuple[int, float]]] = {}
     for c, r in plain:
@@ -231,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="cuda (the benchmark); cpu runs decode eagerly in fp32 (a smoke run of the tool)")
     p.add_argument("--cache-rate", type=float, default=0.33, help="share of all experts given GPU slots")
     p.add_argument("--configs", default="offload,cpu,hybrid:1,hybrid:2,hybrid:3,hybrid:4,hybrid",
-                   help="comma list of offload | cpu | hybrid | hybrid:N, each optionally followed by +pP (prefetch P) "
-                        "and +tT (T CPU workers), e.g. hybrid+p2+t14 (default: %(default)s)")
+                   help="comma list of offload | cpu | hybrid | hybrid:N, each optionally followed by +pP (prefetch P), "
+                        "+tT (T CPU workers) and +wW (CPU cache warm W), e.g. hybrid+p2+t14 (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=128, help="timed decode tokens per config")
     p.add_argument("--warmup", type=int, default=320,
                    help="untimed decode tokens per config first (the controller's split search settles in ~250)")

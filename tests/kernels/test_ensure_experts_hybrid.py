@@ -122,3 +122,31 @@ def test_rejects_a_host_fraction(device):
     with pytest.raises(ValueError, match="f_q16"):
         ensure_experts_hybrid_reference(state, 0, torch.zeros(1, 2, dtype=torch.int64, device=device),
                                         torch.tensor([0.5]))
+
+
+@pytest.mark.parametrize("f_q16", FRACTIONS)
+def test_warmed_misses_stay_on_the_cpu(f_q16, device):
+    """With warm_ids (what the CPU read into its caches ahead) the misses not warmed are fetched first and
+    the warmed ones kept for the CPU; kernel == reference bit for bit, ids repeated, -1 or absent ignored."""
+    L, E, S, T, A = 2, 32, 24, 3, 6
+    gen = torch.Generator().manual_seed(7 + f_q16)
+    state = random_state(L, E, S, 8, device, gen)
+    ref = state.clone()
+    layer = 0
+    ids = routes(T, A, E, gen, device, drop=0.0)
+    cached = ref.slot_of_id[layer * E:(layer + 1) * E].cpu()
+    misses = sorted(e for e in set(ids.flatten().tolist()) if cached[e] < 0)
+    warmed = misses[::2] + [misses[0]]  # every other miss (ascending, so not the lowest-id rule), one twice
+    absent = next(e for e in range(E) if e not in set(ids.flatten().tolist()))
+    warm_ids = torch.tensor(warmed + [-1, absent, -1], dtype=torch.int64, device=device)
+    before = ref.clone()
+    got = ensure_experts_hybrid(state, layer, ids, q16(f_q16, device), -1, warm_ids)
+    want = ensure_experts_hybrid_reference(ref, layer, ids, q16(f_q16, device), -1, warm_ids)
+    assert all(torch.equal(g.cpu(), w.cpu()) for g, w in zip(got, want))
+    assert_same(state, ref)
+    F = int(ref.fetched[layer] - before.fetched[layer])
+    assert F == min(fetch_count_q16(len(misses), f_q16, -1), S - (len(set(ids.flatten().tolist())) - len(misses)))
+    order = [e for e in misses if e not in warmed] + sorted(set(warmed))  # fetch order: cold first
+    cpu = want[1].cpu()
+    assert sorted(set(cpu[cpu >= 0].tolist())) == sorted(order[F:])
+    assert ref.job_src[: int(ref.job_count[0])].cpu().tolist() == [layer * E + e for e in sorted(order[:F])]

@@ -8,6 +8,8 @@ Decode data path per MoE layer (each (token, expert) route computed exactly once
     CPU submit             -> hidden, cpu_ids, weights to pinned buffers on the stream; workers start
                               when the stream's flag lands (the host never waits on the GPU here)
     copy_missing           -> the F fetched experts host -> slots, meanwhile
+    warm plan (optional)   -> the next layer's predicted CPU experts, for the executor to read into its
+                              caches once this job is done (--moe-cpu-warm, moe/cpu_warm.py)
     prefetch (optional)    -> wait for this layer's predicted experts, reserve slots for the next layer's;
                               their copy starts after the sync below (--moe-prefetch, moe/prefetch.py)
     GPU expert GEMM        -> slot routes only (weights of CPU routes zeroed)
@@ -47,6 +49,7 @@ from services.engine.config import MoEBackend
 from services.engine.moe.backends import BackendContext, register_backend
 from services.engine.moe.cpu_executor import CpuExecutor, default_num_threads
 from services.engine.moe.cpu_handoff import DeviceHandoff, GraphHandoff
+from services.engine.moe.cpu_warm import CpuWarm
 from services.engine.moe.offload import OffloadBackend
 from services.engine.moe.resident import GATHER_MAX_ROUTES, moe_decode, moe_grouped
 from services.engine.moe.split import DEFAULT_FRACTION, Q16, SplitController, SplitTuner, fraction_to_q16
@@ -116,6 +119,7 @@ class HybridBackend:
             D = ctx.banks.layers[0].tensors["down"].shape[1]
             kind = GraphHandoff if self.graph_mode else DeviceHandoff
             self.handoff = kind(self.executor, ctx.device, DECODE_MAX_ROUTES, D, ctx.top_k, ctx.dtype)
+        self.warm = self._make_warm(ctx)
         cap = ctx.config.moe_hybrid_max_fetch
         if mode is MoEBackend.CPU:  # fixed: every miss on the CPU; rates still measured for stats
             self.max_fetch = 0
@@ -170,6 +174,8 @@ class HybridBackend:
             self.handoff.submit(moe_layer, hidden, cpu_ids, topk_weights)
         else:
             self.executor.submit(hidden, cpu_ids, topk_weights, moe_layer)
+        if self.warm is not None:
+            self.warm.plan(moe_layer, hidden)
         marks = step["fetch_marks"]
         t0 = self._mark(moe_layer, 0)
         self.cache.copy_missing(max_jobs=topk_ids.numel())
@@ -183,6 +189,8 @@ class HybridBackend:
         else:
             part = moe_grouped(hidden, slot_ids, topk_weights, gate_up, down)
             cpu_part = self.executor.wait()
+            if self.warm is not None:
+                self.warm.warm_now(moe_layer + 1)
         ex = self.executor
         step["cpu_s"] += ex.last_compute_seconds
         step["cpu_experts"] += ex.last_experts
@@ -208,6 +216,8 @@ class HybridBackend:
             return self.offload.forward(layer, hidden, topk_ids, topk_weights)
         slot_ids, cpu_ids = self._ensure(layer, topk_ids)  # [T, A] each
         self.handoff.submit(layer, hidden, cpu_ids, topk_weights)
+        if self.warm is not None:
+            self.warm.plan(layer, hidden)
         self.cache.copy_missing(max_jobs=topk_ids.numel())
         prefetch = self._prefetch_reserve(layer, hidden, topk_ids)
         gate_up, down = self.cache.slot_banks["gate_up"], self.cache.slot_banks["down"]  # CPU routes: slot -1, skipped
@@ -221,6 +231,25 @@ class HybridBackend:
             self.routes["gpu"] += int((slot_ids >= 0).sum())
             self.routes["cpu"] = self.handoff.poll_stats()["routes"] - self._routes_at_start
         return out
+
+    def _make_warm(self, ctx: BackendContext) -> CpuWarm | None:
+        """The cache warmer of ``--moe-cpu-warm W`` (None when off or impossible, with the reason)."""
+        per_token = ctx.config.moe_cpu_warm
+        if per_token <= 0 or self.num_layers < 2:
+            return None
+        if ctx.next_layer_predictors is None:
+            log.warning("--moe-cpu-warm %d: this backend was built without the model's routers; warming is off",
+                        per_token)
+            return None
+        if ctx.device.type == "cuda" and not self.graph_mode:
+            log.warning("--moe-cpu-warm %d: the eager CPU handoff (TANDEM_HYBRID_GRAPHS=0) does not warm; off",
+                        per_token)
+            return None
+        warm = CpuWarm(self.cache, ctx.next_layer_predictors, per_token, ctx.top_k, DECODE_MAX_ROUTES // ctx.top_k,
+                       self.executor, self.handoff if self.graph_mode else None)
+        log.info("cpu warm: the executor reads up to %d predicted experts per token of the next layer between jobs",
+                 warm.per_token)
+        return warm
 
     def _prefetch_reserve(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor):
         """After this layer's own copy (--moe-prefetch): wait for its prefetched experts, reserve the next
@@ -304,7 +333,8 @@ class HybridBackend:
             from kernels.ensure_experts_hybrid import ensure_experts_hybrid as ensure
         else:
             from kernels.ensure_experts_hybrid import ensure_experts_hybrid_reference as ensure
-        return ensure(self.cache.state, layer, topk_ids, self.f_q16, self.max_fetch)
+        warm_ids = self.warm.row(layer) if self.warm is not None else None
+        return ensure(self.cache.state, layer, topk_ids, self.f_q16, self.max_fetch, warm_ids)
 
     def _mark(self, layer: int, which: int):
         """A fetch-time mark: a CUDA event on the stream (read when the step is closed, no sync) or a host
@@ -416,6 +446,7 @@ class HybridBackend:
                       "tuner": self.tuner.stats() if self.tuner is not None else None,
                       "c_sync_calibrated_seconds": self.c_sync_calibrated, "steps": self.totals["split_steps"]},
             "prefetch": self.offload.prefetch.stats() if self.offload.prefetch is not None else None,
+            "cpu_warm": self.warm.stats() if self.warm is not None else None,
             "cpu_executor": {"isa": self.executor.isa, "threads": self.executor.num_threads,
                              "jobs": self.totals["cpu_jobs"], "experts_computed": self.totals["cpu_experts"],
                              "routes_computed": self.totals["cpu_routes"]},
