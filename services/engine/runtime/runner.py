@@ -164,10 +164,13 @@ class DecodeGraphs:
         replayed = out.clone()
         eager = self.model(self.static[0, :B].clone(), self.static[1, :B].clone(),
                            ForwardBatch(slots=list(range(B)), start_pos=[0] * B, query_lens=[1] * B), self.kv)
-        # Loose on purpose: bf16 kernels over a longer masked window may round differently; a frozen
-        # decision (wrong slot, wrong expert) moves logits by their own magnitude.
+        # Loose on purpose: bf16 kernels over a longer masked window may round differently, and hybrid's
+        # two passes split differently (the replay's fetches are the eager pass's hits), so an expert
+        # computed by the GPU in one is computed by the CPU in the other (24-layer synthetic model on the
+        # H200: 2.1 % with --moe-cpu-warm 4, docs/benchmarks.md run 15); a frozen decision (wrong slot,
+        # wrong expert) moves logits by their own magnitude.
         diff, scale = (replayed - eager).abs().max().item(), eager.abs().max().item()
-        if not diff <= 0.02 * scale + 1e-3:
+        if not diff <= 0.05 * scale + 1e-3:
             raise RuntimeError(f"replay differs from eager: max abs diff {diff:.3g} (logits up to {scale:.3g})")
         self.graphs[B] = (graph, out)
 
