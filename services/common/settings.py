@@ -45,7 +45,6 @@ ENV: dict[str, EnvVar] = {
         EnvVar("TANDEM_COPY_MODE", "fused", "copy_missing implementation: 'fused' (one launch) or 'per-bank' (A/B)"),
         EnvVar("TANDEM_EXT_DIR", "", "where the CPU executor's C++ extension is built; empty = $XDG_CACHE_HOME/tandem/ext"),
         EnvVar("TANDEM_HYBRID_GRAPHS", "1", "cpu/hybrid backends on CUDA: '1' = graph-capturable CPU handoff (device-side flags; decode replays CUDA graphs), '0' = eager handoff (no decode graphs)"),
-        EnvVar("TANDEM_CPU_ISOLATE", "1", "cpu/hybrid backends on CUDA: '1' = the process's other threads (model thread, HTTP loop) are kept on the cores the executor's workers leave free, so none preempts a worker mid-job; '0' = the OS places them"),
         EnvVar("TANDEM_DEMO_DIR", "", "where `--model demo` writes its checkpoint; empty = $XDG_CACHE_HOME/tandem/demo"),
         EnvVar("TANDEM_CUDA_GRAPHS", "1", "0 = run decode steps eagerly on CUDA (no graph capture; for A/B and debugging)"),
         EnvVar("TANDEM_WORKER_METRICS_PORT", "9101", "profiler worker's Prometheus port (0 = off)"),

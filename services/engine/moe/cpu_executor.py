@@ -92,31 +92,6 @@ def build_extension(verbose: bool = False):
     return _EXTENSION
 
 
-def _core_key(cpu: int) -> tuple[str, str]:
-    topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
-    try:
-        return (topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip()
-    except OSError:
-        return str(cpu), ""
-
-
-def isolate_workers(worker_cpus: list[int]) -> list[int]:
-    """Move every other thread of this process onto the CPUs whose cores no worker uses; threads made
-    later inherit that. Why: the workers meet at spin barriers, so a thread the OS puts on a worker's core
-    (the model thread after a step, the HTTP loop sending a token) stalls every worker of the job until it
-    yields the core. Returns the CPUs the others now run on ([] = none free: nothing changed)."""
-    taken = {_core_key(c) for c in worker_cpus}
-    free = [c for c in sorted(os.sched_getaffinity(0)) if _core_key(c) not in taken]
-    if not free:
-        return []
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), free)
-        except OSError:  # the thread ended meanwhile
-            pass
-    return free
-
-
 def physical_cpus() -> list[int]:
     """One logical CPU per physical core among those this process may run on (SMT siblings dropped:
     two threads streaming DRAM from one core share its load ports and gain nothing)."""
@@ -124,7 +99,11 @@ def physical_cpus() -> list[int]:
     seen: set[tuple[str, str]] = set()
     cpus = []
     for cpu in allowed:
-        key = _core_key(cpu)
+        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            key = ((topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip())
+        except OSError:
+            key = (str(cpu), "")
         if key not in seen:
             seen.add(key)
             cpus.append(cpu)
@@ -150,20 +129,15 @@ class CpuExecutor:
     SPIN_US_SPARE_CORE = 5000  # a decode layer's gap between CPU jobs is ~0.1-1 ms: spin through it
     SPIN_US_SHARED = 200  # every core has a worker: the caller needs the cores back soon
 
-    def __init__(self, banks: ExpertBanks, num_threads: int | None = None, spin_us: int | None = None, isa: str = "",
-                 isolate: bool = False):
+    def __init__(self, banks: ExpertBanks, num_threads: int | None = None, spin_us: int | None = None, isa: str = ""):
         """num_threads: workers (default one per physical core, each pinned to its core); spin_us: how
         long idle workers and wait() spin before sleeping (default: 5 ms when a core is left for the
         caller, else 200 us: a sleeping pool costs a futex wake of every worker, serialised on one
         mutex, on the next job; a sleeping wait() a wake on the job's end);
-        isa: force 'avx512bf16'|'avx512'|'avx2'|'scalar'; isolate: keep this process's other threads off
-        the workers' cores (``isolate_workers``; when the pool leaves a core free)."""
+        isa: force 'avx512bf16'|'avx512'|'avx2'|'scalar'."""
         ext = build_extension()
         cpus = physical_cpus()
         n = num_threads or len(cpus)
-        if isolate and n < len(cpus):
-            free = isolate_workers(cpus[:n])
-            log.info("cpu executor: %d workers on cores %s; the process's other threads on CPUs %s", n, cpus[:n], free)
         if spin_us is None:
             spin_us = self.SPIN_US_SPARE_CORE if n < len(cpus) else self.SPIN_US_SHARED
         # pin only when there is a core per worker; oversubscribed pools (tests) float

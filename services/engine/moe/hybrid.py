@@ -109,8 +109,7 @@ class HybridBackend:
         self.expert_bytes = ctx.banks.expert_nbytes()
         if num_threads is None:
             num_threads = ctx.config.moe_cpu_threads or default_num_threads(leave_driver_core=ctx.device.type == "cuda")
-        self.executor = CpuExecutor(ctx.banks, num_threads=num_threads,
-                                    isolate=ctx.device.type == "cuda" and env("TANDEM_CPU_ISOLATE") == "1")
+        self.executor = CpuExecutor(ctx.banks, num_threads=num_threads)
         if graph_mode is None:
             graph_mode = env("TANDEM_HYBRID_GRAPHS") == "1"
         self.graph_mode = bool(graph_mode) and ctx.device.type == "cuda"
