@@ -186,42 +186,49 @@ def print_table(rows: list[dict]) -> None:
         print(" | ".join(f"{(fmt.format(r[c]) if r.get(c) is not None else '-'):>12}" for c, fmt in cols))
 
 
+SWEPT_OPTIONS = {  # Config field -> the x label of its panel (tok/s against the option, one line per kind)
+    "prefetch": "experts of the next layer copied ahead per token (--moe-prefetch P)",
+    "warm": "experts of the next layer read into the CPU's caches per token (--moe-cpu-warm W)",
+}
+
+
 def plot(rows: list[dict], path: str, title: str) -> None:
-    """tok/s against hybrid's fixed cap (the other configs as lines) and, when the rows have +pP configs,
-    a second panel: tok/s against --moe-prefetch P, one line per backend kind."""
+    """tok/s against hybrid's fixed cap (the other configs as lines) and, for each option some rows set
+    (+pP, +wW), a panel of tok/s against it, one line per backend kind (repeated configs: their mean)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ok = [(parse_config(r["config"]), r) for r in rows if "error" not in r]
-    plain = [(c, r) for c, r in ok if c.cpu_threads == 0 and c.warm == 0]
-    capped = sorted((c.max_fetch, r["tok_s"]) for c, r in plain if c.max_fetch >= 0 and c.prefetch == 0)
-    by_prefetch: dict[str, list[tuple[int, float]]] = {}
-    for c, r in plain:
-        if c.max_fetch < 0:
-            by_prefetch.setdefault(c.kind, []).append((c.prefetch, r["tok_s"]))
-    with_prefetch = any(c.prefetch for c, _ in plain)
-    show_caps = bool(capped) or not with_prefetch  # the cap panel only when there is a curve to draw
-    fig, axes = plt.subplots(1, show_caps + with_prefetch, figsize=(5.5 * (show_caps + with_prefetch) + 1.5, 4),
-                             squeeze=False)
+    plain = [(c, r) for c, r in ok if c.cpu_threads == 0]
+    untouched = [(c, r) for c, r in plain if not any(getattr(c, o) for o in SWEPT_OPTIONS)]
+    capped = sorted((c.max_fetch, r["tok_s"]) for c, r in untouched if c.max_fetch >= 0)
+    swept = [o for o in SWEPT_OPTIONS if any(getattr(c, o) for c, _ in plain)]
+    show_caps = bool(capped) or not swept  # the cap panel only when there is a curve to draw
+    panels = show_caps + len(swept)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels + 1.5, 4), squeeze=False)
     styles = {"offload": ("r", "--"), "cpu": ("g", "--"), "hybrid": ("b", "-")}
     if show_caps:
         ax = axes[0][0]
         if capped:
             ax.plot([n for n, _ in capped], [t for _, t in capped], "o-", label="hybrid, fixed cap N")
-        for c, r in plain:
-            if c.max_fetch < 0 and c.prefetch == 0:
+        for c, r in untouched:
+            if c.max_fetch < 0:
                 color, line = styles[c.kind]
                 ax.axhline(r["tok_s"], linestyle=line, color=color, label=f"{c.kind} ({r['tok_s']:.1f} tok/s)")
         ax.set_xlabel("misses fetched per layer, at most (--moe-hybrid-max-fetch)")
-    if with_prefetch:
-        ax = axes[0][-1]
-        for kind, points in sorted(by_prefetch.items()):
-            points.sort()
-            ax.plot([p for p, _ in points], [t for _, t in points], "o" + styles[kind][1], color=styles[kind][0],
+    for ax, option in zip(axes[0][show_caps:], swept):
+        lines: dict[str, dict[int, list[float]]] = {}
+        for c, r in plain:
+            others = [o for o in SWEPT_OPTIONS if o != option and getattr(c, o)]
+            if c.max_fetch < 0 and not others:
+                lines.setdefault(c.kind, {}).setdefault(getattr(c, option), []).append(r["tok_s"])
+        for kind, points in sorted(lines.items()):
+            xs = sorted(points)
+            ax.plot(xs, [statistics.fmean(points[x]) for x in xs], "o" + styles[kind][1], color=styles[kind][0],
                     label=kind)
-        ax.set_xlabel("experts of the next layer copied ahead per token (--moe-prefetch P)")
+        ax.set_xlabel(SWEPT_OPTIONS[option])
     for ax in axes[0]:
         ax.set_ylabel("decode tok/s (bs=1)")
         ax.grid(alpha=0.3)

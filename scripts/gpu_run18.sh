@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # (Ran at commit e686bdf; TANDEM_CPU_ISOLATE was removed after this run showed no effect: docs/benchmarks.md run 18.)
-# Eighteenth H200 call (same machine as runs 15-17, run 15's ceilings): does keeping the server's own threads
+# Eighteenth H200 call (a fresh machine: no ceilings measured in this call): does keeping the server's own threads
 # off the executor workers' cores (TANDEM_CPU_ISOLATE=1) remove the server-to-server spread of hybrid
 # (run 17: 72.0-81.6 tok/s plain)? Eight servers alternating isolated / not, end to end, then one with
 # --moe-cpu-warm 4 isolated.
