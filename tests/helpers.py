@@ -33,6 +33,23 @@ def greedy_generate(loaded, prompt_ids: list[int], n: int, slot: int = 0) -> lis
     return out
 
 
+def graph_greedy(loaded, backend_name: str, prompt_ids: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens as the server makes them on CUDA: an eager prefill, then the decode steps replayed
+    from the ModelRunner's captured bs=1 graph (asserted captured). Compare with ``greedy_generate``."""
+    from services.engine.runtime.runner import ModelRunner
+
+    runner = ModelRunner(loaded, 1, max(128, len(prompt_ids) + n), loaded.device, loaded.dtype, backend_name=backend_name)
+    assert runner.graphs is not None and 1 in runner.graphs.graphs, "no decode graph was captured for bs=1"
+    ids = torch.tensor(prompt_ids, device=loaded.device)
+    logits = loaded.model(ids, torch.arange(len(prompt_ids), device=loaded.device),
+                          ForwardBatch(slots=[0], start_pos=[0], query_lens=[len(prompt_ids)]), runner.kv)
+    tokens, pos = [int(logits[0].argmax())], len(prompt_ids)
+    while len(tokens) < n:
+        tokens.append(int(runner.graphs.run([tokens[-1]], [pos], [0])[0].argmax()))
+        pos += 1
+    return tokens
+
+
 def resident_greedy(loaded: dict, hf_checkpoints: dict, prompts: dict[str, list[int]], n: int) -> dict[str, dict[str, list[int]]]:
     """{arch: {prompt name: n greedy tokens}} with the `resident` backend attached to each model of
     ``loaded``: the reference the offloading backends must reproduce token for token."""

@@ -7,9 +7,9 @@ Decode data path per MoE layer (each (token, expert) route computed exactly once
     ensure_experts_hybrid  -> slot_ids [T, A] (hit / fetched, else -1), cpu_ids [T, A] (CPU, else -1)
     CPU submit             -> hidden, cpu_ids, weights to pinned buffers on the stream; workers start
                               when the stream's flag lands (the host never waits on the GPU here)
-    copy_missing           -> the F fetched experts host -> slots, meanwhile
     warm plan (optional)   -> the next layer's predicted CPU experts, for the executor to read into its
                               caches once this job is done (--moe-cpu-warm, moe/cpu_warm.py)
+    copy_missing           -> the F fetched experts host -> slots, meanwhile
     prefetch (optional)    -> wait for this layer's predicted experts, reserve slots for the next layer's;
                               their copy starts after the sync below (--moe-prefetch, moe/prefetch.py)
     GPU expert GEMM        -> slot routes only (weights of CPU routes zeroed)

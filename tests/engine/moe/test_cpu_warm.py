@@ -18,7 +18,7 @@ from services.engine.models.registry import build_backend, load_model  # noqa: E
 from services.engine.moe.backends import BackendContext  # noqa: E402
 from services.engine.moe.hybrid import HybridBackend  # noqa: E402
 from services.engine.reports import flat_backend_stats  # noqa: E402
-from tests.helpers import greedy_generate  # noqa: E402
+from tests.helpers import graph_greedy, greedy_generate  # noqa: E402
 
 PROMPT = [(7 * i + 3) % 120 + 4 for i in range(40)]
 NEW_TOKENS = 8
@@ -121,9 +121,6 @@ def test_cuda_graph_decode_with_warm_equals_resident(kind, hf_checkpoints):
     resident's, and the executor did warm."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from services.engine.runtime.kv_cache import ForwardBatch
-    from services.engine.runtime.runner import ModelRunner
-
     d = str(hf_checkpoints["qwen3_moe"].dir)
     lm = load_model(EngineConfig(model=d, device="cuda"), attach_backend=False)
     lm.model.set_backend(build_backend(lm, EngineConfig(model=d, device="cuda")))
@@ -133,16 +130,7 @@ def test_cuda_graph_decode_with_warm_equals_resident(kind, hf_checkpoints):
                                              moe_cpu_warm=2))
     lm.model.set_backend(backend)
     try:
-        runner = ModelRunner(lm, 1, 128, lm.device, lm.dtype, backend_name=kind.value)
-        assert runner.graphs is not None and 1 in runner.graphs.graphs
-        ids = torch.tensor(PROMPT, device="cuda")
-        logits = lm.model(ids, torch.arange(len(PROMPT), device="cuda"),
-                          ForwardBatch(slots=[0], start_pos=[0], query_lens=[len(PROMPT)]), runner.kv)
-        tokens, pos = [int(logits[0].argmax())], len(PROMPT)
-        while len(tokens) < NEW_TOKENS:
-            tokens.append(int(runner.graphs.run([tokens[-1]], [pos], [0])[0].argmax()))
-            pos += 1
-        assert tokens == want
+        assert graph_greedy(lm, kind.value, PROMPT, NEW_TOKENS) == want
         warm = backend.stats()["cpu_warm"]
         assert warm["warms"] > 0 and warm["experts"] > 0, warm
         assert backend.handoff.poll_stats()["error"] == ""

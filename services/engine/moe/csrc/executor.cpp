@@ -25,6 +25,9 @@
 //     time-slices every layer);
 //   - loop mode (start_loop): jobs back to back on the workers until stop_loop(), for measuring the
 //     executor's bandwidth while something else (PCIe copies) runs, with no Python in the loop.
+// Between graph-mode jobs the pool may also warm: touch the next layer's experts that the GPU posted in
+// a pinned table, so the next job finds them in the CPU's caches (set_warm_table, warm_posted;
+// services/engine/moe/cpu_warm.py says why).
 #include <torch/extension.h>
 
 #include <pthread.h>
