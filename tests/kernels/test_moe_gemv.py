@@ -1,4 +1,4 @@
-"""kernels/moe_gemv against moe_reference: shapes with 1, odd sizes and a Qwen3-30B-A3B-sized layer
+"""kernels/moe_gemv against moe_reference: shapes with 1, odd sizes, a prefill and a Qwen3-30B-A3B-sized layer
 (GPU only), skipped routes (-1), fp32 and bf16, and CUDA-graph replay."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ CASES = [  # T, A, E, D, I
     (1, 8, 16, 64, 48),
     (3, 2, 8, 33, 17),  # odd sizes: masked tails in both kernels
     (8, 4, 8, 300, 20),  # D > BLOCK_K1: several k-steps
+    (40, 2, 8, 32, 16),  # prefill-sized (R = 80 > the decode path's 64): resident and offload prefills on CUDA
 ]
 
 
@@ -39,7 +40,8 @@ def test_fp32_matches_reference(T, A, E, D, I):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("T, A, E, D, I", CASES + [(1, 8, 128, 2048, 768), (4, 8, 128, 2048, 768)])
+@pytest.mark.parametrize("T, A, E, D, I", CASES + [(1, 8, 128, 2048, 768), (4, 8, 128, 2048, 768),
+                                                  (132, 8, 128, 2048, 768)])
 def test_bf16_on_gpu_matches_reference(T, A, E, D, I):
     args = _case(T, A, E, D, I, seed=1, dtype=torch.bfloat16, device="cuda")
     ref = moe_reference(*[a.float() if a.is_floating_point() else a for a in args])

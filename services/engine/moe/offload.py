@@ -21,7 +21,7 @@ from services.engine.moe.backends import BackendContext, register_backend
 from services.engine.moe.banks import ExpertFormat
 from services.engine.moe.cache import ExpertCache
 from services.engine.moe.prefetch import NextLayerPrefetch
-from services.engine.moe.resident import GATHER_MAX_ROUTES, moe_gathered, moe_grouped
+from services.engine.moe.resident import GATHER_MAX_ROUTES, moe_compute, moe_gathered
 from services.engine.moe.sizing import CacheGeometry, decide_cache_size
 
 log = get_logger("moe.offload")
@@ -65,7 +65,7 @@ class OffloadBackend:
         """hidden [T, D] · topk_ids [T, A] int64 · topk_weights [T, A] -> [T, D]."""
         gate_up, down = self.cache.slot_banks["gate_up"], self.cache.slot_banks["down"]  # [S, 2I, D], [S, D, I]
         gathered = hidden.is_cuda and topk_ids.numel() <= GATHER_MAX_ROUTES  # graph-capturable decode path
-        compute = moe_gathered if gathered else moe_grouped
+        compute = moe_gathered if gathered else moe_compute  # prefill: GEMV kernels or the grouped loop
         prefetch = self.prefetching(topk_ids)  # decode: one chunk
         out = None
         for chunk in range(self.cache.num_chunks(topk_ids.numel())):
