@@ -351,13 +351,7 @@ class Executor {
     j.warm_bytes.store(0);
     j.warm_aborted.store(false);
     reset_cursors(cursors_[0].get(), j.warm_unit_start.back());
-    busy_ = true;
-    remaining_.store(n_, std::memory_order_relaxed);
-    {
-      std::lock_guard<std::mutex> g(m_);
-      gen_.fetch_add(1, std::memory_order_release);
-    }
-    cv_start_.notify_all();
+    dispatch();
     if (on_worker0) {
       run(0);
       finish_share();
