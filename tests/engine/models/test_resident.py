@@ -37,6 +37,21 @@ def test_paths_equal_reference(impl, T, A, skip):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_torch_fallback_groups_past_decode_sizes(monkeypatch):
+    """Without the Triton kernels a prefill-sized step must not take the gather path (it would copy R
+    experts' weights: GBs at a real prompt); decode-sized steps still do (no host sync)."""
+    import services.engine.moe.resident as resident
+
+    gathered = []
+    monkeypatch.setattr(resident, "moe_gathered", lambda *a: gathered.append(a[1].numel()) or moe_gathered(*a))
+    kernel = resident.DecodeKernel("torch")
+    for T, A in ((40, 2), (8, 8)):  # R = 80 (above GATHER_MAX_ROUTES), R = 64
+        hidden, ids, weights, gate_up, down = _case(T, A, seed=T, skip=True)
+        torch.testing.assert_close(kernel(hidden, ids, weights, gate_up, down),
+                                   moe_reference(hidden, ids, weights, gate_up, down), atol=1e-5, rtol=1e-5)
+    assert gathered == [64]
+
+
 def test_backend_registered_and_moves_banks():
     banks = ExpertBanks.allocate(ExpertFormat.UNQUANTIZED, 2, E, D, I, torch.float32)
     for layer in banks.layers:
