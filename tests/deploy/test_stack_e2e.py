@@ -23,8 +23,10 @@ pytestmark = pytest.mark.slow
 
 ADMIN_TOKEN = "e2e-admin-token"
 # hybrid: the only backend that feeds every expert panel (fetched and CPU-computed misses, f,
-# bandwidths, c_sync). Half the experts cached, so both hits and misses happen.
-ENGINE_ARGS = ["--moe-backend", "hybrid", "--moe-cache-rate", "0.5", "--max-running-requests", "4"]
+# bandwidths, c_sync), with the next layer read ahead both ways (prefetch, CPU warm) for their panel.
+# Half the experts cached, so both hits and misses happen.
+ENGINE_ARGS = ["--moe-backend", "hybrid", "--moe-cache-rate", "0.5", "--max-running-requests", "4",
+               "--moe-prefetch", "1", "--moe-cpu-warm", "2"]
 # A quick CPU-only profile: the worker runs `tandem bench bw` with these flags.
 PROFILE_ARGS = ["--seconds", "0.2", "--buffer-mib", "32"]
 RATE_INTERVAL = "10m"  # covers the whole test, so each rate() spans all of its traffic

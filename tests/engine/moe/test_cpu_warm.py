@@ -44,6 +44,24 @@ def test_greedy_equals_resident_with_warm(arch, kind, hf_checkpoints, loaded):
         backend.close()
 
 
+def test_warm_with_prefetch_keeps_the_tokens(hf_checkpoints, loaded):
+    """Both ways of reading the next layer ahead at once (the stack's e2e test serves with both)."""
+    lm = loaded["qwen3_moe"]
+    d = str(hf_checkpoints["qwen3_moe"].dir)
+    lm.model.set_backend(build_backend(lm, EngineConfig(model=d)))
+    want = greedy_generate(lm, PROMPT, NEW_TOKENS)
+    A = lm.spec.top_k
+    backend = build_backend(lm, EngineConfig(model=d, moe_backend="hybrid", moe_cache_size=2 * A + 1, moe_prefetch=1,
+                                             moe_cpu_warm=2))
+    lm.model.set_backend(backend)
+    try:
+        assert greedy_generate(lm, PROMPT, NEW_TOKENS) == want
+        stats = backend.stats()
+        assert stats["prefetch"]["prefetched"] > 0 and stats["cpu_warm"]["experts"] > 0
+    finally:
+        backend.close()
+
+
 @pytest.fixture(scope="module")
 def mini():
     return load_model(EngineConfig(model="synthetic:qwen3-moe-mini"), attach_backend=False)
