@@ -24,6 +24,10 @@ MoE layers x expert bytes, plus the experts copied ahead by --moe-prefetch) over
 the backend uses — offload the PCIe gather, cpu the CPU's stream read, hybrid (and auto when it runs
 hybrid) the concurrent PCIe + CPU pair — and decode tok/s as a share of it.
 
+Identical servers differ by several percent (the H200 host: ±7 % for hybrid, docs/benchmarks.md run 18), so
+``--repeat N`` starts N servers per backend (and rate), in rounds — every configuration once, then again —
+so that drift over time spreads over all of them, and prints the mean, min and max per configuration.
+
 A failing backend (even a crash mid-stream) is recorded and the others still run; the exit code is
 non-zero if any failed.
 """
@@ -178,10 +182,12 @@ def server_args(args: argparse.Namespace, backend: str, cache_rate: float | None
     return out + args.server_arg
 
 
-def run_backend(args: argparse.Namespace, backend: str, cache_rate: float | None, prompt: str, log_dir: Path) -> dict:
+def run_backend(args: argparse.Namespace, backend: str, cache_rate: float | None, prompt: str, log_dir: Path,
+                round_: int = 1) -> dict:
     row: dict = {"backend": backend, "model": args.model, "decode_tokens": args.decode_tokens,
-                 "cache_rate": cache_rate, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
-    suffix = f"-{cache_rate}" if cache_rate is not None else ""
+                 "cache_rate": cache_rate, "round": round_,
+                 "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    suffix = (f"-{cache_rate}" if cache_rate is not None else "") + (f"-r{round_}" if args.repeat > 1 else "")
     server = ServerProcess(server_args(args, backend, cache_rate), log_dir / f"serve-{backend}{suffix}.log")
     row["command"] = server.command
     try:
@@ -232,6 +238,29 @@ def print_table(rows: list[dict]) -> None:
         print(" | ".join(f"{c:>12.3f}" if isinstance(c, float) else f"{str(c):>12}" for c in cells))
 
 
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per (backend, cache rate), over its successful servers: n, decode tok/s mean / min / max, TTFT mean."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["backend"], r["cache_rate"]), []).append(r)
+    out = []
+    for (backend, rate), runs in groups.items():
+        ok = [r for r in runs if r.get("ok")]
+        tok_s = [r["decode_tok_s"] for r in ok]
+        out.append({"backend": backend, "cache_rate": rate, "servers": len(runs), "ok": len(ok),
+                    "tok_s_mean": statistics.fmean(tok_s) if ok else None, "tok_s_min": min(tok_s, default=None),
+                    "tok_s_max": max(tok_s, default=None),
+                    "ttft_ms_mean": statistics.fmean(r["ttft_ms"] for r in ok) if ok else None})
+    return out
+
+
+def print_summary(summary: list[dict]) -> None:
+    cols = ["backend", "cache_rate", "servers", "ok", "tok_s_mean", "tok_s_min", "tok_s_max", "ttft_ms_mean"]
+    print(" | ".join(f"{c:>12}" for c in cols))
+    for s in summary:
+        print(" | ".join(f"{s[c]:>12.3f}" if isinstance(s[c], float) else f"{str(s[c]):>12}" for c in cols))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="checkpoint dir, 'demo' or 'synthetic:NAME[?layers=N]'")
@@ -254,12 +283,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="request seed")
     p.add_argument("--startup-timeout", type=float, default=600, help="seconds to wait for /health to say serving")
     p.add_argument("--server-arg", action="append", default=[], help="extra flag passed to the server (repeat)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="servers per backend (and rate), run in rounds; prints mean / min / max per configuration")
     p.add_argument("--log-dir", type=Path, default=Path("runs/bench_decode"), help="server logs go here")
     p.add_argument("--json", type=Path, help="append one JSON line per backend (and cache rate) here")
     p.add_argument("--plot", type=Path, help="also plot tok/s against the share of experts cached to this PNG")
     p.add_argument("--ceilings", type=Path,
                    help="physlimits.py JSON of this host (same run): add each row's bandwidth bound and ratio")
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error(f"--repeat must be at least 1, got {args.repeat}")
     if args.ceilings is not None:
         args.ceilings = load_ceilings(args.ceilings)  # a bad file fails here, before any server starts
 
@@ -269,14 +302,18 @@ def main(argv: list[str] | None = None) -> int:
     runs = [(b.strip(), None if b.strip() == "resident" else rate)
             for b in args.backend.split(",") if b.strip() for rate in rates]
     runs = list(dict.fromkeys(runs))  # resident once, whatever the sweep
+    rounds = [(i + 1, backend, rate) for i in range(args.repeat) for backend, rate in runs]
     rows = []
-    for backend, rate in tqdm(runs, desc="bench_decode_moe", unit="server", file=sys.stderr):
-        row = run_backend(args, backend, rate, prompt, args.log_dir)
+    for round_, backend, rate in tqdm(rounds, desc="bench_decode_moe", unit="server", file=sys.stderr):
+        row = run_backend(args, backend, rate, prompt, args.log_dir, round_)
         rows.append(row)
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(row) + "\n")
     print_table(rows)
+    if args.repeat > 1:
+        print()
+        print_summary(summarize(rows))
     if args.plot:
         from benchmarks.plot_decode import plot_rows
 

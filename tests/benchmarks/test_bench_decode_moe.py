@@ -102,3 +102,28 @@ def test_a_bad_ceilings_file_is_named_before_any_server_starts(tmp_path, demo_ck
     proc, rows = run_bench(tmp_path, demo_ckpt, "--backend", "offload", "--ceilings", str(bad))
     assert proc.returncode != 0 and not rows
     assert f"--ceilings {bad}" in proc.stderr and "overlap_pcie_GBs" in proc.stderr
+
+
+def test_repeat_runs_rounds_and_summarizes(tmp_path, demo_ckpt):
+    """--repeat 2: every configuration once, then again (drift spreads over all), a log per server, and a
+    summary per configuration whose mean is the mean of its servers."""
+    png = tmp_path / "repeat.png"
+    proc, rows = run_bench(tmp_path, demo_ckpt, "--backend", "resident,hybrid", "--cache-rate", "0.5", "--repeat", "2",
+                           "--plot", str(png))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [(r["backend"], r["round"]) for r in rows] == [("resident", 1), ("hybrid", 1), ("resident", 2), ("hybrid", 2)]
+    assert all(r["ok"] for r in rows) and len({r["output_sha1"] for r in rows}) == 1
+    logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
+    assert logs == ["serve-hybrid-0.5-r1.log", "serve-hybrid-0.5-r2.log", "serve-resident-r1.log", "serve-resident-r2.log"]
+    from benchmarks.bench_decode_moe import summarize
+
+    (hybrid,) = [s for s in summarize(rows) if s["backend"] == "hybrid"]
+    tok_s = [r["decode_tok_s"] for r in rows if r["backend"] == "hybrid"]
+    assert hybrid["servers"] == hybrid["ok"] == 2 and hybrid["tok_s_mean"] == pytest.approx(sum(tok_s) / 2)
+    assert hybrid["tok_s_min"] == min(tok_s) and hybrid["tok_s_max"] == max(tok_s)
+    assert "tok_s_mean" in proc.stdout and png.stat().st_size > 10_000
+
+
+def test_repeat_must_be_positive(tmp_path, demo_ckpt):
+    proc, _ = run_bench(tmp_path, demo_ckpt, "--repeat", "0")
+    assert proc.returncode == 2 and "--repeat must be at least 1" in proc.stderr
