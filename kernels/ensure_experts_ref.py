@@ -73,7 +73,7 @@ class CacheState:
 
 
 def check_args(state: CacheState, layer: int, topk_ids: torch.Tensor, chunk: int) -> None:
-    E, L = state.num_experts, state.hits.shape[0]
+    L = state.hits.shape[0]
     if not 0 <= layer < L:
         raise ValueError(f"ensure_experts: layer {layer} out of range [0, {L})")
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):

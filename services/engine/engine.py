@@ -224,7 +224,7 @@ class Engine:
             t0 = time.perf_counter()
             token_ids = self.runner.run(batch)  # ends with the sampled ids on the host: a full step
             self._observe_backend(batch, time.perf_counter() - t0)
-        except Exception as exc:
+        except Exception:
             log.exception("forward failed for %d requests; aborting them", len(batch.requests))
             for req in batch.requests:  # each stream ends with finish_reason "abort" (the gateway: 500)
                 self.scheduler.abort(req.request_id)
