@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from services.engine.config import EngineConfig
+from services.engine.moe.banks import host_page_report
 
 API_VERSION = "v1"
 
@@ -63,4 +64,6 @@ def build_info(loaded, max_seq_len: int) -> dict:
             "generation_config": gen, "eos_token_ids": eos_ids,
             # the routed-expert geometry (benchmarks turn miss rates into bytes per token with it)
             "moe": {"layers": len(loaded.banks.layers), "experts": loaded.spec.num_experts,
-                    "top_k": loaded.spec.top_k, "expert_bytes": loaded.banks.expert_nbytes()}}
+                    "top_k": loaded.spec.top_k, "expert_bytes": loaded.banks.expert_nbytes(),
+                    # how the host banks are mapped (huge pages or not): a suspect for server-to-server spread
+                    "host_pages": host_page_report([t for lb in loaded.banks.layers for t in lb.tensors.values()])}}

@@ -50,6 +50,8 @@ def test_backends_agree_over_a_cache_sweep_and_plot(tmp_path, demo_ckpt):
     config = json.loads((demo_ckpt / "config.json").read_text())
     for r in rows:  # the geometry comes from the engine's /engine/v1/info
         assert r["moe"]["top_k"] == config["num_experts_per_tok"] and r["moe"]["experts"] == config["num_experts"]
+        pages, moe = r["moe"]["host_pages"], r["moe"]  # the mappings that hold the host banks
+        assert pages["bytes"] >= moe["layers"] * moe["experts"] * moe["expert_bytes"] and 0 <= pages["huge_page_bytes"] <= pages["bytes"]
     assert "bound_tok_s" not in rows[0] and "bound_tok_s" in proc.stdout  # resident: no bandwidth bound
     for r in rows[1:]:  # offload: the missed bytes per token over the PCIe gather ceiling
         moe = r["moe"]

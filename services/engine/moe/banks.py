@@ -106,11 +106,40 @@ def enable_fast_pinning() -> bool:
     return _FAST_PINNING
 
 
+def host_page_report(tensors: list[torch.Tensor]) -> dict:
+    """The memory mappings holding ``tensors`` (/proc/self/smaps): their bytes, how many of those are
+    transparent huge pages, and the system's THP mode. Why: the CPU executor streams the banks, so 4 KiB
+    pages cost it a page walk every 64 cache lines; whether a server got huge pages may differ from
+    server to server. {} where /proc is not readable."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors if t.numel())
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return {}
+    total = huge = regions = 0
+    holds = False
+    for line in lines:
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: "start-end perms ..."
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            holds = any(a < hi and b > lo for a, b in spans)
+            if holds:
+                total, regions = total + hi - lo, regions + 1
+        elif holds and head == "AnonHugePages:":
+            huge += int(line.split()[1]) * 1024
+    return {"bytes": total, "huge_page_bytes": huge, "regions": regions, "thp": mode}
+
+
 def pin_banks(banks: ExpertBanks) -> None:
     """Replace every host bank by a pinned copy, one bank at a time (the peak is one bank above the
-    banks' size)."""
+    banks' size); logs how much of them sits in huge pages."""
     enable_fast_pinning()
     for layer in banks.layers:
         for name, t in layer.tensors.items():
             if t.device.type == "cpu" and not t.is_pinned():
                 layer.tensors[name] = t.pin_memory()
+    pages = host_page_report([t for layer in banks.layers for t in layer.tensors.values()])
+    if pages:
+        log.info("host banks pinned: %.1f GB in %d mappings, %.1f GB of it in transparent huge pages (THP %s)",
+                 pages["bytes"] / 1e9, pages["regions"], pages["huge_page_bytes"] / 1e9, pages["thp"])

@@ -388,3 +388,21 @@ def test_eager_device_handoff_through_a_stand_in_driver(tmp_path):
     run = subprocess.run([sys.executable, "-c", _FAKE_DRIVER_SCRIPT, str(lib)], capture_output=True, text=True,
                          cwd=root, timeout=300)
     assert run.returncode == 0 and "FAKE-DRIVER-OK" in run.stdout, run.stdout + run.stderr
+
+
+def test_host_page_report_finds_the_banks_mappings():
+    """The report covers the mappings that hold the banks (not the whole process), never counts more huge
+    pages than bytes, and names the system's THP mode."""
+    from services.engine.moe.banks import host_page_report
+
+    big = torch.empty(64 << 20, dtype=torch.uint8)  # 64 MiB (the kernel may merge neighbouring mappings)
+    report = host_page_report([big])
+    mapped = 0  # every mapping of the process, for the upper bound
+    for line in open("/proc/self/maps"):
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        mapped += hi - lo
+    assert report["regions"] >= 1 and big.numel() <= report["bytes"] < mapped
+    assert 0 <= report["huge_page_bytes"] <= report["bytes"] and report["thp"] in ("always", "madvise", "never")
+    assert host_page_report([]) == {"bytes": 0, "huge_page_bytes": 0, "regions": 0, "thp": report["thp"]}
+    more = torch.empty(80 << 20, dtype=torch.uint8)
+    assert host_page_report([big, more])["bytes"] >= big.numel() + more.numel()
