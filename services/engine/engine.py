@@ -175,6 +175,10 @@ class Engine:
         t0 = time.monotonic()
         self.loaded = load(cfg, progress=self._on_progress)
         self._info = build_info(self.loaded, cfg.max_seq_len)
+        pages = self._info["moe"]["host_pages"]
+        if pages:
+            log.info("host banks: %.1f GB in %d mappings, %.1f GB of it in transparent huge pages (THP %s)",
+                     pages["bytes"] / 1e9, pages["regions"], pages["huge_page_bytes"] / 1e9, pages["thp"])
         self.metrics = EngineMetrics(self.loaded.model_id)
         device = torch.device(cfg.device.value)
         dtype = getattr(torch, cfg.dtype.value)

@@ -133,13 +133,9 @@ def host_page_report(tensors: list[torch.Tensor]) -> dict:
 
 def pin_banks(banks: ExpertBanks) -> None:
     """Replace every host bank by a pinned copy, one bank at a time (the peak is one bank above the
-    banks' size); logs how much of them sits in huge pages."""
+    banks' size)."""
     enable_fast_pinning()
     for layer in banks.layers:
         for name, t in layer.tensors.items():
             if t.device.type == "cpu" and not t.is_pinned():
                 layer.tensors[name] = t.pin_memory()
-    pages = host_page_report([t for layer in banks.layers for t in layer.tensors.values()])
-    if pages:
-        log.info("host banks pinned: %.1f GB in %d mappings, %.1f GB of it in transparent huge pages (THP %s)",
-                 pages["bytes"] / 1e9, pages["regions"], pages["huge_page_bytes"] / 1e9, pages["thp"])
