@@ -31,6 +31,7 @@ import torch
 from services.engine.moe.cache import ExpertCache
 from services.engine.moe.cpu_executor import CpuExecutor
 from services.engine.moe.cpu_handoff import GraphHandoff
+from services.engine.moe.prefetch import pick_next_layer
 
 
 class CpuWarm:
@@ -61,12 +62,8 @@ class CpuWarm:
         target = layer + 1
         if target >= self.cache.num_layers or hidden.shape[0] * self.per_token > self.capacity:
             return
-        logits = torch.nn.functional.linear(hidden, self.predictors[layer])  # [T, E]
-        if self.cache.use_triton:
-            from kernels.prefetch_pick import prefetch_pick as pick
-        else:
-            from kernels.prefetch_pick import prefetch_pick_reference as pick
-        picked = pick(logits, self.cache.state.slot_of_id, target, self.top_k, self.per_token)  # [T, W]
+        picked = pick_next_layer(self.predictors, layer, hidden, self.cache.state.slot_of_id, self.top_k,
+                                 self.per_token, self.cache.use_triton)  # [T, W]
         if self.table is not None:
             from kernels.cpu_handoff import post_warm
 

@@ -64,6 +64,19 @@ def next_layer_predictors(model) -> list[torch.Tensor]:
     return out
 
 
+def pick_next_layer(predictors: list[torch.Tensor], layer: int, hidden: torch.Tensor, slot_of_id: torch.Tensor,
+                    top_k: int, per_token: int, use_triton: bool) -> torch.Tensor:
+    """Layer+1's routing predicted from ``hidden`` [T, D] (layer's MoE input): per token the ``per_token``
+    likeliest of its predicted top-k that ``slot_of_id`` does not cache -> [T, per_token] ids, -1 = none.
+    Shared by the prefetch (copied to GPU slots) and moe/cpu_warm.py (read into the CPU's caches)."""
+    if use_triton:
+        from kernels.prefetch_pick import prefetch_pick as pick
+    else:
+        from kernels.prefetch_pick import prefetch_pick_reference as pick
+    logits = torch.nn.functional.linear(hidden, predictors[layer])  # [T, E]
+    return pick(logits, slot_of_id, layer + 1, top_k, per_token)
+
+
 class NextLayerPrefetch:
     """Predicts, reserves and copies layer l+1's experts while layer l runs (module docstring)."""
 
@@ -118,15 +131,13 @@ class NextLayerPrefetch:
         target = layer + 1
         if target >= self.cache.num_layers or not self.fits(hidden.shape[0]):
             return
-        logits = torch.nn.functional.linear(hidden, self.predictors[layer])  # [T, E]
         cache, state = self.cache, self.state
         if cache.use_triton:
             from kernels.ensure_experts import ensure_experts as ensure
-            from kernels.prefetch_pick import prefetch_pick as pick
         else:
             from kernels.ensure_experts_ref import ensure_experts_reference as ensure
-            from kernels.prefetch_pick import prefetch_pick_reference as pick
-        picked = pick(logits, state.slot_of_id, target, self.top_k, self.per_token)  # [T, P], -1 = none
+        picked = pick_next_layer(self.predictors, layer, hidden, state.slot_of_id, self.top_k, self.per_token,
+                                 cache.use_triton)  # [T, P], -1 = none
         ensure(state, target, picked, torch.empty(picked.shape, dtype=torch.int32, device=picked.device))
         self._reserved = (target, picked.numel())
 
