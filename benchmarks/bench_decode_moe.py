@@ -224,18 +224,22 @@ def _delta(before: dict, after: dict) -> dict:
     return {"experts": experts, "vram_gib": after.get("vram_gib")}
 
 
+def table_line(cells: list) -> str:
+    """One line of the printed tables: 12-wide cells, floats to 3 decimals."""
+    return " | ".join(f"{c:>12.3f}" if isinstance(c, float) else f"{str(c):>12}" for c in cells)
+
+
 def print_table(rows: list[dict]) -> None:
     cols = ["backend", "cache_rate", "decode_tok_s", "ttft_ms", "event_ms_p50", "event_ms_p99", "miss_rate", "fetch_share",
             "vram_gib", "output_sha1"]
     if any("bound_tok_s" in r for r in rows):
         cols[8:8] = ["bound_tok_s", "bound_ratio"]
-    print(" | ".join(f"{c:>12}" for c in cols))
+    print(table_line(cols))
     for r in rows:
         if not r.get("ok"):
             print(f"{r['backend']:>12} | FAILED: {r.get('error', '')[:100]}")
             continue
-        cells = [r.get(c) for c in cols]
-        print(" | ".join(f"{c:>12.3f}" if isinstance(c, float) else f"{str(c):>12}" for c in cells))
+        print(table_line([r.get(c) for c in cols]))
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -256,9 +260,9 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def print_summary(summary: list[dict]) -> None:
     cols = ["backend", "cache_rate", "servers", "ok", "tok_s_mean", "tok_s_min", "tok_s_max", "ttft_ms_mean"]
-    print(" | ".join(f"{c:>12}" for c in cols))
+    print(table_line(cols))
     for s in summary:
-        print(" | ".join(f"{s[c]:>12.3f}" if isinstance(s[c], float) else f"{str(s[c]):>12}" for c in cols))
+        print(table_line([s[c] for c in cols]))
 
 
 def main(argv: list[str] | None = None) -> int:
