@@ -616,13 +616,7 @@ class Executor {
       job_.read_sums.assign(n_, 0.0);
       job_.error.clear();
       const int64_t t0 = now_ns();
-      busy_ = true;
-      remaining_.store(n_, std::memory_order_relaxed);
-      {
-        std::lock_guard<std::mutex> g(m_);
-        gen_.fetch_add(1, std::memory_order_release);
-      }
-      cv_start_.notify_all();
+      dispatch();
       {
         pybind11::gil_scoped_release nogil;
         while (remaining_.load(std::memory_order_acquire) != 0) _mm_pause();
