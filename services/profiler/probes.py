@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from services.common.logging import get_logger
+from services.engine.moe.banks import host_bank, pin_host
 
 log = get_logger("profiler.probes")
 
@@ -91,10 +92,11 @@ class ExpertBank:
 
 
 def make_bank(E: int, D: int, I: int, dtype: torch.dtype, pin: bool) -> ExpertBank:
-    gate_up = torch.empty(E, 2 * I, D, dtype=dtype).normal_(0, 0.02)  # [E, 2I, D]
-    down = torch.empty(E, D, I, dtype=dtype).normal_(0, 0.02)  # [E, D, I]
+    """A bank in the memory the engine's host banks live in (banks.host_bank: huge pages, pinned in place)."""
+    gate_up = host_bank((E, 2 * I, D), dtype).normal_(0, 0.02)  # [E, 2I, D]
+    down = host_bank((E, D, I), dtype).normal_(0, 0.02)  # [E, D, I]
     if pin:
-        gate_up, down = gate_up.pin_memory(), down.pin_memory()
+        gate_up, down = pin_host([gate_up, down])
     return ExpertBank(gate_up, down)
 
 

@@ -55,7 +55,7 @@ from services.engine.models.causal_lm import MoECausalLM
 from services.engine.models.errors import LoaderError
 from services.engine.models.loader import build_empty_model
 from services.engine.models.spec import ModelSpec
-from services.engine.moe.banks import BANK_SCHEMAS, ExpertBanks, ExpertFormat, LayerBanks, enable_fast_pinning
+from services.engine.moe.banks import BANK_SCHEMAS, ExpertBanks, ExpertFormat, LayerBanks
 
 log = get_logger("synthetic")
 
@@ -165,22 +165,20 @@ def build_synthetic(model: str, tokenizer_vocab: int, device: torch.device, dtyp
                 _fill_(p, param_std(name, spec), gen)
         D, I, E = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
         fmt = ExpertFormat.UNQUANTIZED
-        layers = []
         total = spec.num_moe_layers
-        # host banks of a CUDA model are pinned now (an offloading backend pins them anyway): the
-        # GPU-made weights then come down by DMA at PCIe speed instead of through pageable staging
-        pin = banks_device is None and device.type == "cuda" and enable_fast_pinning()
-        for n in tqdm(range(total), desc=f"building {model}", unit="layer", leave=False):
-            tensors = {}
-            for bank in BANK_SCHEMAS[fmt]:
-                t = torch.empty((E, *bank.shape(D, I)), dtype=bank.dtype or dtype, device=banks_device or "cpu",
-                                pin_memory=pin)
-                _fill_(t, param_std(f"experts.{bank.name}", spec), gen)
-                tensors[bank.name] = t
-            layers.append(LayerBanks(fmt, tensors))
+        if banks_device is None:
+            # host banks of a CUDA model are pinned before they are filled (an offloading backend pins them
+            # anyway): the GPU-made weights then come down by DMA at PCIe speed, not through pageable staging
+            banks = ExpertBanks.allocate(fmt, total, E, D, I, dtype, pin=device.type == "cuda")
+        else:
+            banks = ExpertBanks([LayerBanks(fmt, {b.name: torch.empty((E, *b.shape(D, I)), dtype=b.dtype or dtype,
+                                                                        device=banks_device) for b in BANK_SCHEMAS[fmt]})
+                                 for _ in range(total)])
+        for n, layer in enumerate(tqdm(banks.layers, desc=f"building {model}", unit="layer", leave=False)):
+            for name, t in layer.tensors.items():
+                _fill_(t, param_std(f"experts.{name}", spec), gen)
             if progress is not None:
                 progress({"phase": "building", "done": n + 1, "total": total, "fraction": (n + 1) / total})
-    banks = ExpertBanks(layers)
     log.info("built %s: %d layers (%d MoE), E=%d, A=%d, %.1f GB of experts on %s", model, spec.num_layers,
              spec.num_moe_layers, E, spec.top_k, banks.total_nbytes() / 1e9, banks_device or "cpu")
     return spec, net, banks

@@ -11,14 +11,21 @@ and the CPU executor reads them in place.
 
 from __future__ import annotations
 
+import ctypes
 import enum
+import math
+import mmap
 import os
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from services.common.logging import get_logger
+from services.common.settings import env
 
 log = get_logger("moe.banks")
 
@@ -67,13 +74,18 @@ class ExpertBanks:
     layers: list[LayerBanks] = field(default_factory=list)
 
     @staticmethod
-    def allocate(fmt: ExpertFormat, num_layers: int, E: int, D: int, I: int, dtype: torch.dtype) -> "ExpertBanks":
-        """Empty host banks to be filled by a loader (filled first, pinned later by pin_banks)."""
+    def allocate(fmt: ExpertFormat, num_layers: int, E: int, D: int, I: int, dtype: torch.dtype,
+                 pin: bool = False) -> "ExpertBanks":
+        """Empty host banks to be filled by a loader (``host_bank`` memory; pinned now with ``pin``, else
+        later by pin_banks, in place)."""
         layers = []
         for _ in range(num_layers):
-            tensors = {s.name: torch.empty((E, *s.shape(D, I)), dtype=s.dtype or dtype) for s in BANK_SCHEMAS[fmt]}
+            tensors = {s.name: host_bank((E, *s.shape(D, I)), s.dtype or dtype) for s in BANK_SCHEMAS[fmt]}
             layers.append(LayerBanks(fmt, tensors))
-        return ExpertBanks(layers)
+        banks = ExpertBanks(layers)
+        if pin:
+            pin_banks(banks)
+        return banks
 
     def expert_nbytes(self) -> int:
         return self.layers[0].expert_nbytes() if self.layers else 0
@@ -82,28 +94,56 @@ class ExpertBanks:
         return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors.values())
 
 
-_FAST_PINNING: bool | None = None
+HUGE_PAGE = 2 << 20  # x86-64 transparent huge page
 
 
-def enable_fast_pinning() -> bool:
-    """Have torch's pinned host allocator malloc, touch the pages on several threads and cudaHostRegister
-    them, instead of one cudaHostAlloc (which pins page by page under the driver's lock: ~1.2 GB/s on the
-    H200 host, 25 s to pin the 29 GB of the 24-layer benchmark model). Registered memory is mapped at the
-    same address on UVA systems, which the UVA kernels (copy_missing, the graph handoff) rely on. Once per
-    process, before the first pinned allocation; False (and the default allocator) if torch refuses."""
-    global _FAST_PINNING
-    if _FAST_PINNING is None:
-        threads = max(1, min(16, os.cpu_count() or 1))
-        setting = f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{threads}"
-        try:
-            set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
-                torch.cuda.memory._set_allocator_settings
-            set_settings(setting)
-            _FAST_PINNING = True
-        except Exception as exc:  # noqa: BLE001 - an older torch: pinning works, only slower; say so
-            log.warning("pinned host memory: torch refused %r (%s); using cudaHostAlloc", setting, exc)
-            _FAST_PINNING = False
-    return _FAST_PINNING
+class _HostRegion(mmap.mmap):
+    """Anonymous memory under one host bank. Why not torch's allocator: the CPU executor streams the
+    banks, and in 4 KiB pages it pays a page walk every 64 cache lines (two-level in a VM) and its L2
+    streamer restarts at every page; advised before the first touch, the kernel backs the region with
+    2 MiB pages even where THP is 'madvise' only. And a bank can then be pinned in place
+    (cudaHostRegister) instead of copied into a pinned twice-the-peak allocation. ``registered`` is the
+    address given to CUDA, unregistered when the last tensor over the region is gone."""
+
+    registered: int = 0
+
+    def __del__(self) -> None:
+        if self.registered:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.registered)
+            except Exception:  # noqa: BLE001 - interpreter shutdown: the driver may be gone already
+                pass
+
+
+_REGIONS: "weakref.WeakValueDictionary[int, _HostRegion]" = weakref.WeakValueDictionary()  # data_ptr -> region
+
+
+def host_bank(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised host tensor for a bank: its own mapping, starting on a 2 MiB boundary and
+    advised to transparent huge pages (TANDEM_HOST_HUGE_PAGES=0: the kernel's default pages)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    # private: an anonymous shared mapping is shmem, which THP leaves alone; slack to start on a 2 MiB boundary
+    region = _HostRegion(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    if env("TANDEM_HOST_HUGE_PAGES") == "1" and hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)
+    anchor = ctypes.c_char.from_buffer(region)
+    offset = -ctypes.addressof(anchor) % HUGE_PAGE
+    del anchor  # a live export would keep the region from ever closing
+    t = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset).view(dtype).view(shape)
+    _REGIONS[t.data_ptr()] = region
+    return t
+
+
+def _register(t: torch.Tensor) -> None:
+    """cudaHostRegister a ``host_bank`` tensor in place (the region then unregisters itself)."""
+    region = _REGIONS[t.data_ptr()]
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    if int(err) != 0:
+        raise RuntimeError(f"pinning a {t.numel() * t.element_size() / 1e9:.2f} GB expert bank failed: "
+                           f"cudaHostRegister returned {err}")
+    region.registered = t.data_ptr()
 
 
 def host_page_report(tensors: list[torch.Tensor]) -> dict:
@@ -131,11 +171,24 @@ def host_page_report(tensors: list[torch.Tensor]) -> dict:
     return {"bytes": total, "huge_page_bytes": huge, "regions": regions, "thp": mode}
 
 
+def pin_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` pinned for the GPU's copies, in order: ``host_bank`` memory in place (registered on up
+    to 16 threads: the driver maps each one's pages), any other host tensor as a pinned copy."""
+    in_place = [t for t in tensors if t.data_ptr() in _REGIONS and not t.is_pinned()]
+    if in_place:
+        with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1, len(in_place))) as pool:
+            list(pool.map(_register, in_place))
+    return [t if t.data_ptr() in _REGIONS or t.is_pinned() else t.pin_memory() for t in tensors]
+
+
 def pin_banks(banks: ExpertBanks) -> None:
-    """Replace every host bank by a pinned copy, one bank at a time (the peak is one bank above the
-    banks' size)."""
-    enable_fast_pinning()
-    for layer in banks.layers:
-        for name, t in layer.tensors.items():
-            if t.device.type == "cpu" and not t.is_pinned():
-                layer.tensors[name] = t.pin_memory()
+    """Pin every host bank (``pin_host``, all at once so registration spreads over threads), replacing
+    the ones that had to be copied."""
+    t0 = time.perf_counter()
+    slots = [(layer, name) for layer in banks.layers for name, t in layer.tensors.items()
+             if t.device.type == "cpu" and not t.is_pinned()]
+    for (layer, name), t in zip(slots, pin_host([layer.tensors[name] for layer, name in slots])):
+        layer.tensors[name] = t
+    if slots:
+        log.info("host banks pinned: %.1f GB in %.1f s", sum(layer.tensors[name].nbytes for layer, name in slots) / 1e9,
+                 time.perf_counter() - t0)

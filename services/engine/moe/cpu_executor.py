@@ -57,6 +57,7 @@ def build_extension(verbose: bool = False):
         return _EXTENSION
     from torch.utils import cpp_extension
 
+    prefetch = stream_prefetch(env("TANDEM_CPU_PREFETCH"))  # a bad setting fails before a minute of compiling
     build_dir = extension_dir()
     build_dir.mkdir(parents=True, exist_ok=True)
     # ninja from the `engine` extra must be found even when its bin dir is not on PATH (venv not
@@ -87,9 +88,25 @@ def build_extension(verbose: bool = False):
             f"(needs a C++17 compiler and ninja; rebuild with `python -m services.engine.moe.cpu_executor "
             f"--build --verbose` for the compiler log): {exc}"
         ) from exc
-    log.info("cpu executor extension ready (%s, %.1f s, isa %s)", build_dir, time.perf_counter() - t0,
-             _EXTENSION.select_isa(""))
+    _EXTENSION.set_stream_prefetch(*prefetch)
+    log.info("cpu executor extension ready (%s, %.1f s, isa %s, stream prefetch %s)", build_dir,
+             time.perf_counter() - t0, _EXTENSION.select_isa(""), env("TANDEM_CPU_PREFETCH"))
     return _EXTENSION
+
+
+PREFETCH_LEVELS = {"l1": 0, "l2": 1, "nta": 2}
+
+
+def stream_prefetch(setting: str) -> tuple[int, int]:
+    """'BYTES:LEVEL' (or '0' = off) -> (bytes, level) for the extension's ``set_stream_prefetch``."""
+    text = setting.strip().lower()
+    if text in ("0", "off"):
+        return 0, -1
+    nbytes, _, level = text.partition(":")
+    if not nbytes.isdigit() or int(nbytes) % 64 or level not in PREFETCH_LEVELS:
+        raise ValueError(f"TANDEM_CPU_PREFETCH={setting!r}: expected BYTES:LEVEL with BYTES a multiple of 64 "
+                         f"and LEVEL one of {', '.join(PREFETCH_LEVELS)} (for example 2048:l1), or 0 for off")
+    return int(nbytes), PREFETCH_LEVELS[level]
 
 
 def physical_cpus() -> list[int]:

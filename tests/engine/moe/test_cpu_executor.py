@@ -406,3 +406,26 @@ def test_host_page_report_finds_the_banks_mappings():
     assert host_page_report([]) == {"bytes": 0, "huge_page_bytes": 0, "regions": 0, "thp": report["thp"]}
     more = torch.empty(80 << 20, dtype=torch.uint8)
     assert host_page_report([big, more])["bytes"] >= big.numel() + more.numel()
+
+
+@pytest.mark.parametrize("setting", ["0", "2048:l1", "4096:l2", "8192:nta"])
+def test_stream_prefetch_changes_no_result(executors, setting):
+    """TANDEM_CPU_PREFETCH only hints the caches: every setting gives the reference's output."""
+    from services.engine.moe.cpu_executor import stream_prefetch
+
+    banks, hidden, ids, weights = make_case(3, 4, 9, 2048, 96, torch.bfloat16, seed=5)  # rows of one 4 KB page
+    ext = build_extension()
+    try:
+        ext.set_stream_prefetch(*stream_prefetch(setting))
+        out = executors(banks).forward(0, hidden, ids, weights)
+    finally:
+        ext.set_stream_prefetch(*stream_prefetch("2048:l1"))
+    torch.testing.assert_close(out, reference(banks, hidden, ids, weights), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("bad", ["fast", "2048", "100:l1", "2048:l3", "-64:l1"])
+def test_stream_prefetch_rejects_bad_settings(bad):
+    from services.engine.moe.cpu_executor import stream_prefetch
+
+    with pytest.raises(ValueError, match="TANDEM_CPU_PREFETCH"):
+        stream_prefetch(bad)

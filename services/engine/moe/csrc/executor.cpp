@@ -936,6 +936,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("loop_counters", &tandem::Executor::loop_counters)
       .def_property_readonly("isa", &tandem::Executor::isa)
       .def_property_readonly("num_threads", &tandem::Executor::num_threads);
+  m.def("set_stream_prefetch", &tandem::set_stream_prefetch);
   m.def("select_isa", [](std::string force) {
     auto k = tandem::select_kernels(force.c_str());
     return std::string(k.name ? k.name : "");

@@ -15,16 +15,28 @@
 
 namespace tandem {
 
-// Software prefetch distance into the weight stream (bytes). The L2 streamer stops at 4 KB page
-// boundaries and a gate_up row of D=2048 bf16 is exactly one page, so each row would restart its
-// training; a hint 2 KB ahead keeps the next page's lines in flight. 0 disables it (A/B runs).
-#ifndef TANDEM_PREFETCH_BYTES
-#define TANDEM_PREFETCH_BYTES 2048
-#endif
+// Software prefetch into the weight stream, set once per process (set_stream_prefetch, from
+// TANDEM_CPU_PREFETCH). The L2 streamer stops at 4 KB page boundaries and a gate_up row of D=2048 bf16
+// is exactly one page, so each row would restart its training; a hint ahead keeps the next page's lines
+// in flight. The level decides how many can be: prefetcht0 (l1) holds one of the core's ~16 L1 fill
+// buffers per line until it lands, prefetcht1 (l2) only an entry of L2's ~48-deep queue.
+static int g_prefetch_bytes = 2048;
+static int g_prefetch_level = 0;  // 0 l1 (T0), 1 l2 (T1), 2 nta, -1 off
+
+void set_stream_prefetch(int bytes, int level) {
+  g_prefetch_bytes = bytes;
+  g_prefetch_level = bytes > 0 ? level : -1;
+}
+
 template <typename T>
 static inline void prefetch_ahead(const T* p) {
-  if (TANDEM_PREFETCH_BYTES > 0)
-    __builtin_prefetch(reinterpret_cast<const char*>(p) + TANDEM_PREFETCH_BYTES, 0, 3);
+  const char* q = reinterpret_cast<const char*>(p) + g_prefetch_bytes;
+  switch (g_prefetch_level) {
+    case 0: _mm_prefetch(q, _MM_HINT_T0); break;
+    case 1: _mm_prefetch(q, _MM_HINT_T1); break;
+    case 2: _mm_prefetch(q, _MM_HINT_NTA); break;
+    default: break;
+  }
 }
 
 static inline float bf16_to_f32(uint16_t v) {

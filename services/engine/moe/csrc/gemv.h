@@ -36,6 +36,10 @@ struct IsaKernels {
   ReadFn read;       // the CPU read ceiling's kernel (benchmarks)
 };
 
-IsaKernels select_kernels(const char* force);  // force: nullptr/"" = best supported, else an ISA name
+IsaKernels select_kernels(const char* force);
+
+// Software prefetch in every GEMV's weight stream: `bytes` ahead at `level` (0 L1, 1 L2, 2 NTA);
+// bytes <= 0 turns it off. Process-wide; set while no job runs.
+void set_stream_prefetch(int bytes, int level);  // force: nullptr/"" = best supported, else an ISA name
 
 }  // namespace tandem
