@@ -30,6 +30,7 @@ import sys
 import torch
 from tqdm import tqdm
 
+from services.common.settings import env
 from services.engine.moe.banks import host_page_report
 from services.engine.moe.cpu_executor import build_extension, default_num_threads, stream_prefetch
 from services.profiler import probes
@@ -61,7 +62,7 @@ def measure(args: argparse.Namespace, pages: str, cuda: bool, bar: tqdm) -> list
             if gather is not None:
                 pcie_alone.append(probes.gather_bw(gather, args.seconds))
     finally:
-        ext.set_stream_prefetch(*stream_prefetch("2048:l1"))
+        ext.set_stream_prefetch(*stream_prefetch(env("TANDEM_CPU_PREFETCH")))
         kernel.close()
     rows = []
     for setting, got in samples.items():

@@ -411,6 +411,7 @@ def test_host_page_report_finds_the_banks_mappings():
 @pytest.mark.parametrize("setting", ["0", "2048:l1", "4096:l2", "8192:nta"])
 def test_stream_prefetch_changes_no_result(executors, setting):
     """TANDEM_CPU_PREFETCH only hints the caches: every setting gives the reference's output."""
+    from services.common.settings import env
     from services.engine.moe.cpu_executor import stream_prefetch
 
     banks, hidden, ids, weights = make_case(3, 4, 9, 2048, 96, torch.bfloat16, seed=5)  # rows of one 4 KB page
@@ -419,7 +420,7 @@ def test_stream_prefetch_changes_no_result(executors, setting):
         ext.set_stream_prefetch(*stream_prefetch(setting))
         out = executors(banks).forward(0, hidden, ids, weights)
     finally:
-        ext.set_stream_prefetch(*stream_prefetch("2048:l1"))
+        ext.set_stream_prefetch(*stream_prefetch(env("TANDEM_CPU_PREFETCH")))
     torch.testing.assert_close(out, reference(banks, hidden, ids, weights), atol=2e-2, rtol=2e-2)
 
 
