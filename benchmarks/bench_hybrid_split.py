@@ -19,9 +19,11 @@ host as the server does:
                  CPU's caches between jobs, and kept for the CPU by the split (--moe-cpu-warm W)
 
 Per config: ms/token (mean, p50, p99), misses, fetched and CPU experts per layer, and for hybrid/cpu the
-per-layer GPU side (signal -> wait entry: copy of the fetched experts + GEMM of the resident ones) and
-how long the GPU then waited for the CPU (from the handoff's %globaltimer stamps), the CPU executor's
-rate and the controller's final fraction. The fixed caps trace the curve; the controller should land on
+per-layer GPU side (signal -> wait entry: copy of the fetched experts + GEMM of the resident ones), how
+long the GPU then waited for the CPU, and the serial part (the CPU's result in -> the next layer's job
+out: attention, router, split, staging, while the CPU idles), all from the handoff's %globaltimer
+stamps; the CPU executor's time per job and rate, and the controller's final fraction. With
+--profile-steps N, the GPU kernels of N more steps (torch.profiler) per config. The fixed caps trace the curve; the controller should land on
 its minimum. Performance lives here, never in unit tests.
 """
 
@@ -132,15 +134,18 @@ def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict
         counts0 = cache_counts(backend)
         poll0 = handoff.poll_stats() if stamps is not None else None
         warm0 = backend.warm.stats() if getattr(backend, "warm", None) is not None else None
-        times, gpu_side, waits = [], [], []
+        times, gpu_side, waits, serial = [], [], [], []
         for _ in range(args.tokens):
             t0 = time.perf_counter()
             step()
             times.append(time.perf_counter() - t0)
             if stamps is not None:
-                for sig, enter, leave in stamps.tolist():
+                layers_ns = stamps.tolist()
+                for sig, enter, leave in layers_ns:
                     gpu_side.append(enter - sig)
                     waits.append(leave - enter)
+                # CPU's result in -> next layer's job out: attention, router, split, staging (the CPU idles)
+                serial += [nxt[0] - cur[2] for cur, nxt in zip(layers_ns, layers_ns[1:])]
         misses, fetched, ahead = (a - b for a, b in zip(cache_counts(backend), counts0))
         layers = len(lm.banks.layers) * args.tokens
         row = {"config": config, "tokens": args.tokens, "ms_per_token": 1e3 * statistics.fmean(times),
@@ -155,12 +160,18 @@ def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict
             row.update(cpu_experts_per_layer=cpu_experts / layers,
                        cpu_gbs=cpu_experts * backend.expert_bytes / cpu_s / 1e9 if cpu_s else None,
                        gpu_side_us=statistics.fmean(gpu_side) / 1e3, wait_us=statistics.fmean(waits) / 1e3,
+                       serial_us=statistics.fmean(serial) / 1e3, cpu_job_us=cpu_s / max(1, poll["jobs"] - poll0["jobs"]) * 1e6,
                        fetch_fraction=backend.stats()["fetch_fraction"], c_sync_us=backend.c_sync_calibrated * 1e6,
                        tuner=backend.tuner.stats() if backend.tuner is not None else None,
                        executor_error=poll["error"])
         if warm0 is not None:  # what the CPU read into its caches ahead, per layer; share of warms cut short
             warm = {k: v - warm0[k] for k, v in backend.warm.stats().items()}
             row.update(warmed_per_layer=warm["experts"] / layers, warm_cut_short=warm["cut_short"] / max(1, warm["warms"]))
+        if args.profile_steps and lm.device.type == "cuda":
+            try:
+                row["kernels"] = kernel_profile(step, args.profile_steps)
+            except Exception as exc:  # noqa: BLE001 - a profiler failure must not lose the timed row
+                row["kernels_error"] = f"{type(exc).__name__}: {exc}"
         return row
     finally:
         lm.model.set_backend(None)
@@ -173,11 +184,41 @@ def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict
             torch.cuda.empty_cache()
 
 
+def kernel_profile(step, steps: int, top: int = 20) -> list[dict]:
+    """The GPU kernels of ``steps`` decode steps (torch.profiler; CUPTI sees the kernels of graph replays):
+    per kernel name, launches and device microseconds per step, the ``top`` by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if us > 0:
+            rows.append({"kernel": e.key[:90], "per_step": e.count / steps, "us_per_step": us / steps,
+                         "us_each": us / e.count})
+    return sorted(rows, key=lambda r: -r["us_per_step"])[:top]
+
+
+def print_kernels(rows: list[dict]) -> None:
+    for r in rows:
+        if r.get("kernels"):
+            total = sum(k["us_per_step"] for k in r["kernels"])
+            print(f"\n{r['config']}: GPU kernels per decode step (top {len(r['kernels'])}: {total / 1e3:.2f} ms of "
+                  f"{r['ms_per_token']:.2f} ms/token)")
+            print(f"{'us/step':>9} {'launches':>9} {'us each':>8}  kernel")
+            for k in r["kernels"]:
+                print(f"{k['us_per_step']:>9.0f} {k['per_step']:>9.1f} {k['us_each']:>8.1f}  {k['kernel']}")
+
+
 def print_table(rows: list[dict]) -> None:
     cols = [("config", "{}"), ("tok_s", "{:.1f}"), ("ms_per_token", "{:.2f}"), ("ms_p50", "{:.2f}"), ("ms_p99", "{:.2f}"),
             ("misses_per_layer", "{:.2f}"), ("fetched_per_layer", "{:.2f}"), ("prefetched_per_layer", "{:.2f}"),
             ("cpu_experts_per_layer", "{:.2f}"), ("warmed_per_layer", "{:.2f}"),
-            ("gpu_side_us", "{:.0f}"), ("wait_us", "{:.0f}"), ("cpu_gbs", "{:.1f}"), ("fetch_fraction", "{:.3f}")]
+            ("gpu_side_us", "{:.0f}"), ("wait_us", "{:.0f}"), ("serial_us", "{:.0f}"), ("cpu_job_us", "{:.0f}"),
+            ("cpu_gbs", "{:.1f}"), ("fetch_fraction", "{:.3f}")]
     print(" | ".join(f"{c:>12}" for c, _ in cols))
     for r in rows:
         if "error" in r:
@@ -254,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=64, help="random prompt tokens prefilled first")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (0 = greedy)")
     p.add_argument("--max-seq-len", type=int, default=640, help="KV window of the decode graph")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after the timed tokens, profile this many more steps per config and print its GPU kernels "
+                        "(CUDA only; 0 = off)")
     p.add_argument("--json", help="write the rows and the run's facts to this JSON file")
     p.add_argument("--plot", help="PNG of tok/s against the fixed cap, the other configs as lines")
     p.add_argument("--replot", metavar="JSON", help="print and plot (--plot) the rows of an earlier --json; run nothing")
@@ -261,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.replot:
         report = json.loads(Path(args.replot).read_text())
         print_table(report["rows"])
+        print_kernels(report["rows"])
         if args.plot:
             plot(report["rows"], args.plot, f"{report['model']}, {report['cache_rate']:.0%} of experts cached, "
                                             f"{report['device']}")
@@ -271,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = args.configs.split(",")
     for config in configs:
         parse_config(config)  # a typo fails here, not after the model is loaded
-    if args.prompt_len + args.warmup + args.tokens + 8 > args.max_seq_len:
+    if args.prompt_len + args.warmup + args.tokens + args.profile_steps + 8 > args.max_seq_len:
         print(f"--max-seq-len {args.max_seq_len} is too small for prompt + warm-up + tokens", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
@@ -296,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
              "expert_bytes": lm.banks.expert_nbytes(), "temperature": args.temperature, "command": " ".join(sys.argv)}
     print(f"{args.model}, {num_slots} slots ({args.cache_rate:.0%} of {total} experts), bs=1, T={args.temperature}")
     print_table(rows)
+    print_kernels(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**facts, "rows": rows}, f, indent=2)
