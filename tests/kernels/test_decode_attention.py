@@ -49,3 +49,18 @@ def test_window_shorter_than_cache():
     got = decode_attention(q, k, v, kc, vc, slots, positions, 0, 10)
     ref = decode_attention_ref(q, k, v, kc_ref, vc_ref, slots, positions, 0, 10)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 37])
+@pytest.mark.parametrize("chunk_keys", [16, 64])
+def test_key_chunks_merge_to_the_reference(window, chunk_keys):
+    """Many chunks per head (the split over the keys and their merge), chunks past the position empty,
+    a sliding window starting inside a chunk, and a first token (every cached chunk empty)."""
+    S, M = 4, 200
+    q, k, v, kc, vc, slots, positions = _case(4, 8, 2, 32, S, M, torch.float32, seed=11)
+    positions[:] = torch.tensor([0, 15, 130, M - 2])
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    got = decode_attention(q, k, v, kc, vc, slots, positions, window, M, chunk_keys=chunk_keys)
+    ref = decode_attention_ref(q, k, v, kc_ref, vc_ref, slots, positions, window, M)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
