@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.common.settings import env
-
 
 @dataclass
 class SamplingParams:
@@ -79,21 +77,7 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
 
 
 class Sampler:
-    """Turns last-position logits into next tokens for a batch of requests.
-
-    The tokens' copy to the host is the step's one wait for the GPU. By default (TANDEM_HOST_WAIT=block)
-    the thread sleeps on a blocking CUDA event until the step is done instead of spinning in the copy as
-    the CUDA runtime does with one context: a decode step of the cpu/hybrid backends is ~10 ms during
-    which their pinned executor workers hold all cores but one, and a spinning engine thread would take
-    that core from the API thread that streams the tokens.
-    """
-
-    def __init__(self) -> None:
-        wait = env("TANDEM_HOST_WAIT")
-        if wait not in ("block", "spin"):
-            raise ValueError(f"TANDEM_HOST_WAIT={wait!r}: expected 'block' or 'spin'")
-        self.blocking_wait = wait == "block"
-        self._done: dict[torch.device, torch.cuda.Event] = {}  # one blocking event per device, re-recorded
+    """Turns last-position logits into next tokens for a batch of requests."""
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> list[int]:
@@ -113,16 +97,7 @@ class Sampler:
             for j, i in enumerate(rows):  # a row draws over its own candidates: never its neighbours'
                 k = self._candidates(params[i], logits.shape[1])
                 out[i] = token_ids[j, self._draw(probs[j, :k], generators[i])]
-        return self._to_host(out)
-
-    def _to_host(self, tokens: torch.Tensor) -> list[int]:
-        if tokens.is_cuda and self.blocking_wait:
-            done = self._done.get(tokens.device)
-            if done is None:
-                done = self._done[tokens.device] = torch.cuda.Event(blocking=True)
-            done.record()
-            done.synchronize()  # sleeps in the driver until the GPU reaches the event
-        return tokens.tolist()
+        return out.tolist()
 
     @staticmethod
     def _candidates(p: SamplingParams, V: int) -> int:

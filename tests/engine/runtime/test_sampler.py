@@ -78,26 +78,3 @@ def test_invalid_params_rejected():
                {"stop_token_ids": [1, "2"]}, {"top_k": True}):
         with pytest.raises(TypeError):
             SamplingParams.from_dict(kw)
-
-
-def test_host_wait_setting_is_checked(monkeypatch):
-    monkeypatch.setenv("TANDEM_HOST_WAIT", "sleep")
-    with pytest.raises(ValueError, match="TANDEM_HOST_WAIT='sleep'"):
-        Sampler()
-    monkeypatch.setenv("TANDEM_HOST_WAIT", "spin")
-    assert not Sampler().blocking_wait
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("wait", ["block", "spin"])
-def test_blocking_wait_gives_the_same_tokens(monkeypatch, wait):
-    """The blocking event only changes how the host waits: same seeded draws as the CPU."""
-    monkeypatch.setenv("TANDEM_HOST_WAIT", wait)
-    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(3)).cuda()
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=5),
-              SamplingParams(temperature=1.0, seed=6)]
-    sampler = Sampler()
-    first = sampler(logits, params, [None, make_generator(5, logits.device), make_generator(6, logits.device)])
-    again = sampler(logits, params, [None, make_generator(5, logits.device), make_generator(6, logits.device)])
-    assert first == again and first[0] == int(logits[0].argmax()) and sampler.blocking_wait == (wait == "block")
