@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 
@@ -35,13 +34,13 @@ from services.engine.moe.banks import host_page_report
 from services.engine.moe.cpu_executor import build_extension, default_num_threads, stream_prefetch
 from services.profiler import probes
 
-PAGES = {"huge": "1", "small": "0"}  # -> TANDEM_HOST_HUGE_PAGES
+PAGES = ("huge", "small")  # banks advised to 2 MiB pages or left to the kernel's default (TANDEM_HOST_HUGE_PAGES)
 
 
 def measure(args: argparse.Namespace, pages: str, cuda: bool, bar: tqdm) -> list[dict]:
     """Rows of one page size: per prefetch setting, the executor alone and beside the gather."""
-    os.environ["TANDEM_HOST_HUGE_PAGES"] = PAGES[pages]
-    bank = probes.make_bank(args.experts, args.hidden, args.intermediate, torch.bfloat16, pin=cuda)
+    bank = probes.make_bank(args.experts, args.hidden, args.intermediate, torch.bfloat16, pin=cuda,
+                            huge_pages=pages == "huge")
     page_report = host_page_report([bank.gate_up, bank.down])
     kernel = probes.CpuKernel(bank, args.top_k, args.threads, "executor")
     gather = probes.Gather(bank, args.top_k, 0) if cuda else None

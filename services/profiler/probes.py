@@ -91,10 +91,11 @@ class ExpertBank:
         return self.gate_up[0].nbytes + self.down[0].nbytes
 
 
-def make_bank(E: int, D: int, I: int, dtype: torch.dtype, pin: bool) -> ExpertBank:
-    """A bank in the memory the engine's host banks live in (banks.host_bank: huge pages, pinned in place)."""
-    gate_up = host_bank((E, 2 * I, D), dtype).normal_(0, 0.02)  # [E, 2I, D]
-    down = host_bank((E, D, I), dtype).normal_(0, 0.02)  # [E, D, I]
+def make_bank(E: int, D: int, I: int, dtype: torch.dtype, pin: bool, huge_pages: bool | None = None) -> ExpertBank:
+    """A bank in the memory the engine's host banks live in (banks.host_bank: huge pages unless
+    ``huge_pages`` is False, pinned in place)."""
+    gate_up = host_bank((E, 2 * I, D), dtype, huge_pages).normal_(0, 0.02)  # [E, 2I, D]
+    down = host_bank((E, D, I), dtype, huge_pages).normal_(0, 0.02)  # [E, D, I]
     if pin:
         gate_up, down = pin_host([gate_up, down])
     return ExpertBank(gate_up, down)

@@ -118,15 +118,17 @@ class _HostRegion(mmap.mmap):
 _REGIONS: "weakref.WeakValueDictionary[int, _HostRegion]" = weakref.WeakValueDictionary()  # data_ptr -> region
 
 
-def host_bank(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def host_bank(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool | None = None) -> torch.Tensor:
     """An uninitialised host tensor for a bank: its own mapping, starting on a 2 MiB boundary and
-    advised to transparent huge pages (TANDEM_HOST_HUGE_PAGES=0: the kernel's default pages)."""
+    advised to transparent huge pages unless ``huge_pages`` is False (None: TANDEM_HOST_HUGE_PAGES)."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     # private: an anonymous shared mapping is shmem, which THP leaves alone; slack to start on a 2 MiB boundary
     region = _HostRegion(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
-    if env("TANDEM_HOST_HUGE_PAGES") == "1" and hasattr(mmap, "MADV_HUGEPAGE"):
+    if huge_pages is None:
+        huge_pages = env("TANDEM_HOST_HUGE_PAGES") == "1"
+    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
         region.madvise(mmap.MADV_HUGEPAGE)
     anchor = ctypes.c_char.from_buffer(region)
     offset = -ctypes.addressof(anchor) % HUGE_PAGE

@@ -105,7 +105,7 @@ def stream_prefetch(setting: str) -> tuple[int, int]:
     nbytes, _, level = text.partition(":")
     if not nbytes.isdigit() or int(nbytes) % 64 or level not in PREFETCH_LEVELS:
         raise ValueError(f"TANDEM_CPU_PREFETCH={setting!r}: expected BYTES:LEVEL with BYTES a multiple of 64 "
-                         f"and LEVEL one of {', '.join(PREFETCH_LEVELS)} (for example 2048:l1), or 0 for off")
+                         f"and LEVEL one of {', '.join(PREFETCH_LEVELS)} (for example 4096:l2), or 0 for off")
     return int(nbytes), PREFETCH_LEVELS[level]
 
 
