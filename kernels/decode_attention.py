@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 MIN_CHUNK_KEYS = 64  # keys per program at least (one BLOCK_N)
-MAX_CHUNKS = 64  # programs per (sequence, head) at most: the merge holds them all in registers
+MAX_CHUNKS = 64  # programs per (sequence, head) at most: the merge holds them all in registers (past a
+# 4096-key window the chunks grow instead, and a short context again runs on few programs)
 
 
 @triton.jit
@@ -123,7 +124,7 @@ def decode_attention_ref(q, k, v, k_cache, v_cache, slots, positions, window: in
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, window: int,
                      W: int, chunk_keys: int | None = None) -> torch.Tensor:
-    """One launch: q [B, H, Dh] · k/v [B, K, Dh] (the new token's, last dims contiguous) · k/v_cache
+    """Two launches (chunks, merge): q [B, H, Dh] · k/v [B, K, Dh] (the new token's, last dims contiguous) · k/v_cache
     [S, M, K, Dh] · slots/positions [B] int64 on the device · window (0 = full attention) · W (keys
     beyond are never read) -> o [B, H, Dh] contiguous, q's dtype. Writes k/v at [slots, positions].
     Same contract as ``decode_attention_ref``. ``chunk_keys``: keys per program (a power of two; default
