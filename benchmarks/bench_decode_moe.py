@@ -8,8 +8,10 @@ exactly D tokens decode. Timestamps are taken per SSE event:
     decode_tok_s = (completion_tokens - 1) / (t_last_event - t_first_event)
 
 which stays right when the detokenizer merges several tokens into one event. Unlike the reference, the
-engine's own stats are read too (expert miss rate, fetch split, VRAM), and output_sha1 (first 12 hex of
-the text's sha1) lets you check that the backends agree.
+engine's own stats are read too (expert miss rate, fetch split, VRAM, and its mean decode step over the
+measured request: ``engine_step_ms``, so ``serving_ms_per_token`` = the client's time per token minus it
+is what HTTP, scheduling and streaming add), and output_sha1 (first 12 hex of the text's sha1) lets you
+check that the backends agree.
 
     python benchmarks/bench_decode_moe.py --model synthetic:qwen3-30b-a3b?layers=24 \
         --backend resident,offload,cpu,hybrid,auto --gpu-memory-limit 24 --greedy --json out.jsonl
@@ -201,6 +203,7 @@ def run_backend(args: argparse.Namespace, backend: str, cache_rate: float | None
         row.update(stream_chat(server.url, model_id, prompt, args.decode_tokens, sampling, args.seed))
         after = httpx.get(f"{server.url}/engine/v1/stats", timeout=10).json()
         row.update(engine_summary(_delta(before, after)))
+        row.update(step_split(row, before, after))
         row["vram_gib"] = after.get("vram_gib")
         row["moe"] = info.get("moe")
         if args.ceilings is not None:
@@ -224,16 +227,29 @@ def _delta(before: dict, after: dict) -> dict:
     return {"experts": experts, "vram_gib": after.get("vram_gib")}
 
 
+def step_split(row: dict, before: dict, after: dict) -> dict:
+    """The client's time per token split into the engine's decode step (forward + sampling, timed on its
+    model thread over the measured request) and what the serving path adds (HTTP, scheduling, streaming);
+    {} when the engine does not report its steps. The stream's first event can reach the client later than
+    the token behind it was made (the first chunk costs the server more), which shortens the client's
+    window by up to a step: on a short request the serving part can read slightly negative."""
+    steps = after.get("decode_steps", 0) - before.get("decode_steps", 0)
+    if steps <= 0 or not row.get("decode_tok_s"):
+        return {}
+    step_ms = (after["decode_step_seconds"] - before["decode_step_seconds"]) / steps * 1e3
+    return {"engine_step_ms": step_ms, "serving_ms_per_token": 1e3 / row["decode_tok_s"] - step_ms}
+
+
 def table_line(cells: list) -> str:
     """One line of the printed tables: 12-wide cells, floats to 3 decimals."""
     return " | ".join(f"{c:>12.3f}" if isinstance(c, float) else f"{str(c):>12}" for c in cells)
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = ["backend", "cache_rate", "decode_tok_s", "ttft_ms", "event_ms_p50", "event_ms_p99", "miss_rate", "fetch_share",
-            "vram_gib", "output_sha1"]
+    cols = ["backend", "cache_rate", "decode_tok_s", "ttft_ms", "event_ms_p50", "event_ms_p99", "engine_step_ms",
+            "miss_rate", "fetch_share", "vram_gib", "output_sha1"]
     if any("bound_tok_s" in r for r in rows):
-        cols[8:8] = ["bound_tok_s", "bound_ratio"]
+        cols[9:9] = ["bound_tok_s", "bound_ratio"]
     print(table_line(cols))
     for r in rows:
         if not r.get("ok"):

@@ -104,7 +104,10 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._window: deque[tuple[float, int]] = deque()  # (time, tokens generated in that step)
-        self._totals = {"requests_finished": 0, "requests_aborted": 0, "tokens_generated": 0, "steps": 0}
+        # decode_step_seconds: the model thread's time in runner.run (forward + sampling, tokens on the host)
+        # over decode_steps; a client's time per token beyond it is the serving path's own (HTTP, scheduling)
+        self._totals = {"requests_finished": 0, "requests_aborted": 0, "tokens_generated": 0, "steps": 0,
+                        "decode_steps": 0, "decode_step_seconds": 0.0}
         self.started_at = time.time()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -227,7 +230,11 @@ class Engine:
         try:
             t0 = time.perf_counter()
             token_ids = self.runner.run(batch)  # ends with the sampled ids on the host: a full step
-            self._observe_backend(batch, time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            if batch.num_prefill == 0:
+                self._totals["decode_steps"] += 1
+                self._totals["decode_step_seconds"] += seconds
+            self._observe_backend(batch, seconds)
         except Exception:
             log.exception("forward failed for %d requests; aborting them", len(batch.requests))
             for req in batch.requests:  # each stream ends with finish_reason "abort" (the gateway: 500)

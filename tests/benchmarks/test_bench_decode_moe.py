@@ -46,6 +46,11 @@ def test_backends_agree_over_a_cache_sweep_and_plot(tmp_path, demo_ckpt):
     assert len({r["output_sha1"] for r in rows}) == 1  # fp32 greedy: the same text from every server
     for r in rows:
         assert r["completion_tokens"] == 12 and r["decode_tok_s"] > 0 and r["ttft_ms"] > 0
+        # the engine's own decode step, timed on its model thread: the client's time per token, up to the
+        # one step by which a late first event shortens the client's window
+        n = r["completion_tokens"]
+        assert 0 < r["engine_step_ms"] < 1e3 / r["decode_tok_s"] * (n - 1) / (n - 2)
+        assert r["serving_ms_per_token"] == pytest.approx(1e3 / r["decode_tok_s"] - r["engine_step_ms"])
     assert all(0.0 <= r["miss_rate"] <= 1.0 for r in rows[1:])  # read from the engine's stats
     config = json.loads((demo_ckpt / "config.json").read_text())
     for r in rows:  # the geometry comes from the engine's /engine/v1/info
