@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from services.engine.config import EngineConfig
@@ -75,3 +77,18 @@ def hf_last_logits(hf_model, prompt_ids: list[int]) -> torch.Tensor:
     """[V] fp32 logits of transformers at the last prompt position."""
     with torch.no_grad():
         return hf_model(torch.tensor([prompt_ids])).logits[0, -1].float()
+
+
+@contextmanager
+def tokens_against_resident(loaded, model_dir: str, prompt_ids: list[int], n: int, **config):
+    """Yields (resident's ``n`` greedy tokens, the tokens of a backend built from
+    ``EngineConfig(model=model_dir, **config)``, that backend) with the backend attached to ``loaded``;
+    the caller asserts on them, the backend is closed on exit."""
+    loaded.model.set_backend(build_backend(loaded, EngineConfig(model=model_dir)))
+    want = greedy_generate(loaded, prompt_ids, n)
+    backend = build_backend(loaded, EngineConfig(model=model_dir, **config))
+    loaded.model.set_backend(backend)
+    try:
+        yield want, greedy_generate(loaded, prompt_ids, n), backend
+    finally:
+        getattr(backend, "close", lambda: None)()

@@ -18,7 +18,7 @@ from services.engine.models.registry import build_backend, load_model  # noqa: E
 from services.engine.moe.backends import BackendContext  # noqa: E402
 from services.engine.moe.hybrid import HybridBackend  # noqa: E402
 from services.engine.reports import flat_backend_stats  # noqa: E402
-from tests.helpers import graph_greedy, greedy_generate  # noqa: E402
+from tests.helpers import graph_greedy, greedy_generate, tokens_against_resident  # noqa: E402
 
 PROMPT = [(7 * i + 3) % 120 + 4 for i in range(40)]
 NEW_TOKENS = 8
@@ -28,38 +28,24 @@ NEW_TOKENS = 8
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
 def test_greedy_equals_resident_with_warm(arch, kind, hf_checkpoints, loaded):
     lm = loaded[arch]
-    d = str(hf_checkpoints[arch].dir)
-    lm.model.set_backend(build_backend(lm, EngineConfig(model=d)))
-    want = greedy_generate(lm, PROMPT, NEW_TOKENS)
-    A = lm.spec.top_k
-    backend = build_backend(lm, EngineConfig(model=d, moe_backend=kind.value, moe_cache_size=A, moe_cpu_warm=2))
-    lm.model.set_backend(backend)
-    try:
-        assert greedy_generate(lm, PROMPT, NEW_TOKENS) == want
+    with tokens_against_resident(lm, str(hf_checkpoints[arch].dir), PROMPT, NEW_TOKENS, moe_backend=kind.value,
+                                 moe_cache_size=lm.spec.top_k, moe_cpu_warm=2) as (want, got, backend):
+        assert got == want
         warm = backend.stats()["cpu_warm"]
         assert warm["per_token"] == 2 and warm["warms"] > 0 and warm["experts"] >= warm["warms"]
         assert warm["bytes"] == warm["experts"] * backend.expert_bytes  # whole experts, each read once
         assert flat_backend_stats(backend.stats())["cpu_warmed"] == warm["experts"]  # tandem_expert_cpu_warmed_total
-    finally:
-        backend.close()
 
 
 def test_warm_with_prefetch_keeps_the_tokens(hf_checkpoints, loaded):
     """Both ways of reading the next layer ahead at once (the stack's e2e test serves with both)."""
     lm = loaded["qwen3_moe"]
-    d = str(hf_checkpoints["qwen3_moe"].dir)
-    lm.model.set_backend(build_backend(lm, EngineConfig(model=d)))
-    want = greedy_generate(lm, PROMPT, NEW_TOKENS)
-    A = lm.spec.top_k
-    backend = build_backend(lm, EngineConfig(model=d, moe_backend="hybrid", moe_cache_size=2 * A + 1, moe_prefetch=1,
-                                             moe_cpu_warm=2))
-    lm.model.set_backend(backend)
-    try:
-        assert greedy_generate(lm, PROMPT, NEW_TOKENS) == want
+    with tokens_against_resident(lm, str(hf_checkpoints["qwen3_moe"].dir), PROMPT, NEW_TOKENS, moe_backend="hybrid",
+                                 moe_cache_size=2 * lm.spec.top_k + 1, moe_prefetch=1,
+                                 moe_cpu_warm=2) as (want, got, backend):
+        assert got == want
         stats = backend.stats()
         assert stats["prefetch"]["prefetched"] > 0 and stats["cpu_warm"]["experts"] > 0
-    finally:
-        backend.close()
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from services.engine.moe.layer import MoEBlock  # noqa: E402
 from services.engine.moe.offload import OffloadBackend  # noqa: E402
 from services.engine.moe.prefetch import NextLayerPrefetch, next_layer_predictors  # noqa: E402
 from services.engine.reports import flat_backend_stats  # noqa: E402
-from tests.helpers import graph_greedy, greedy_generate  # noqa: E402
+from tests.helpers import graph_greedy, greedy_generate, tokens_against_resident  # noqa: E402
 
 PROMPT = [(7 * i + 3) % 120 + 4 for i in range(40)]
 NEW_TOKENS = 8
@@ -58,20 +58,13 @@ def test_predictor_is_the_next_router_on_the_same_stream(hf_checkpoints, loaded)
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
 def test_greedy_equals_resident_with_prefetch(arch, kind, hf_checkpoints, loaded):
     lm = loaded[arch]
-    d = str(hf_checkpoints[arch].dir)
-    lm.model.set_backend(build_backend(lm, EngineConfig(model=d)))
-    want = greedy_generate(lm, PROMPT, NEW_TOKENS)
-    A = lm.spec.top_k
-    backend = build_backend(lm, EngineConfig(model=d, moe_backend=kind.value, moe_cache_size=2 * A + 2, moe_prefetch=2))
-    lm.model.set_backend(backend)
-    try:
-        assert greedy_generate(lm, PROMPT, NEW_TOKENS) == want
+    with tokens_against_resident(lm, str(hf_checkpoints[arch].dir), PROMPT, NEW_TOKENS, moe_backend=kind.value,
+                                 moe_cache_size=2 * lm.spec.top_k + 2, moe_prefetch=2) as (want, got, backend):
+        assert got == want
         stats = backend.stats()
         assert stats["prefetch"]["per_token"] == 2 and stats["prefetch"]["prefetched"] > 0
         assert stats["prefetch"]["bytes_prefetched"] == stats["prefetch"]["prefetched"] * stats["cache"]["expert_bytes"]
         assert flat_backend_stats(stats)["prefetched"] == stats["prefetch"]["prefetched"]  # the engine's stats
-    finally:
-        getattr(backend, "close", lambda: None)()
 
 
 @pytest.fixture(scope="module")
