@@ -51,6 +51,7 @@ from services.engine.moe.cpu_executor import CpuExecutor, default_num_threads
 from services.engine.moe.cpu_handoff import DeviceHandoff, GraphHandoff
 from services.engine.moe.cpu_warm import CpuWarm
 from services.engine.moe.offload import OffloadBackend
+from services.engine.moe.prefetch import read_ahead_possible
 from services.engine.moe.resident import GATHER_MAX_ROUTES, moe_decode, moe_grouped
 from services.engine.moe.split import DEFAULT_FRACTION, Q16, SplitController, SplitTuner, fraction_to_q16
 
@@ -235,11 +236,7 @@ class HybridBackend:
     def _make_warm(self, ctx: BackendContext) -> CpuWarm | None:
         """The cache warmer of ``--moe-cpu-warm W`` (None when off or impossible, with the reason)."""
         per_token = ctx.config.moe_cpu_warm
-        if per_token <= 0 or self.num_layers < 2:
-            return None
-        if ctx.next_layer_predictors is None:
-            log.warning("--moe-cpu-warm %d: this backend was built without the model's routers; warming is off",
-                        per_token)
+        if not read_ahead_possible("--moe-cpu-warm", per_token, self.num_layers, ctx.next_layer_predictors):
             return None
         if ctx.device.type == "cuda" and not self.graph_mode:
             log.warning("--moe-cpu-warm %d: the eager CPU handoff (TANDEM_HYBRID_GRAPHS=0) does not warm; off",

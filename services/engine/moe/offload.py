@@ -20,7 +20,7 @@ from services.engine.config import MoEBackend
 from services.engine.moe.backends import BackendContext, register_backend
 from services.engine.moe.banks import ExpertFormat
 from services.engine.moe.cache import ExpertCache
-from services.engine.moe.prefetch import NextLayerPrefetch
+from services.engine.moe.prefetch import NextLayerPrefetch, read_ahead_possible
 from services.engine.moe.resident import GATHER_MAX_ROUTES, moe_compute, moe_gathered
 from services.engine.moe.sizing import CacheGeometry, decide_cache_size
 
@@ -86,11 +86,7 @@ class OffloadBackend:
 def make_prefetch(ctx: BackendContext, cache: ExpertCache) -> NextLayerPrefetch | None:
     """The next-layer prefetcher of ``--moe-prefetch P`` (None when off or impossible, with the reason)."""
     per_token = ctx.config.moe_prefetch
-    if per_token <= 0 or cache.num_layers < 2:
-        return None
-    if ctx.next_layer_predictors is None:
-        log.warning("--moe-prefetch %d: this backend was built without the model's routers; prefetch is off",
-                    per_token)
+    if not read_ahead_possible("--moe-prefetch", per_token, cache.num_layers, ctx.next_layer_predictors):
         return None
     prefetch = NextLayerPrefetch(cache, ctx.next_layer_predictors, per_token, ctx.top_k)
     if not prefetch.fits(1):

@@ -44,8 +44,24 @@ import dataclasses
 
 import torch
 
+from services.common.logging import get_logger
 from services.engine.moe.cache import ExpertCache
 from services.engine.moe.layer import MoEBlock
+
+
+log = get_logger("moe.prefetch")
+
+
+def read_ahead_possible(flag: str, per_token: int, num_layers: int, predictors: list[torch.Tensor] | None) -> bool:
+    """Whether a next-layer read-ahead (``--moe-prefetch``, ``--moe-cpu-warm``) asked for ``per_token``
+    experts can run: asked for, a next layer to read for, and the model's routers to predict it with
+    (warns when they are missing)."""
+    if per_token <= 0 or num_layers < 2:
+        return False
+    if predictors is None:
+        log.warning("%s %d: this backend was built without the model's routers; it is off", flag, per_token)
+        return False
+    return True
 
 
 def next_layer_predictors(model) -> list[torch.Tensor]:
