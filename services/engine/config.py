@@ -24,6 +24,14 @@ class Device(str, enum.Enum):
     CUDA = "cuda"
 
 
+class DecodeOverlap(str, enum.Enum):
+    """Whether the engine launches a decode step before reading the previous step's tokens."""
+
+    AUTO = "auto"  # when the step replays a CUDA graph (queued at once, so the host really runs ahead)
+    ON = "on"  # whenever the batch allows it, eager steps too (tests the chaining on the CPU)
+    OFF = "off"
+
+
 class DType(str, enum.Enum):
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
@@ -47,6 +55,10 @@ class EngineConfig:
     moe_cpu_warm: int = field(0, help="cpu/hybrid: most experts per token of the next layer the CPU reads into its caches "
                                       "while only the GPU works (its likeliest uncached ones, predicted as for "
                                       "--moe-prefetch); the split then keeps them for the CPU; 0 = off")
+    decode_overlap: DecodeOverlap = field(DecodeOverlap.AUTO, help="launch each decode step before the host reads the "
+                                          "previous step's tokens (they feed the next step on the device), so stop "
+                                          "checks, streaming and HTTP run while the GPU computes: auto = when the step "
+                                          "replays a CUDA graph, on = whenever the batch allows it, off = never")
     gpu_memory_limit: float | None = field(None, help="cap the VRAM budget at this many GiB (emulate a smaller card)")
     max_running_requests: int = field(8, help="most requests decoded together (continuous batching)")
     max_waiting_requests: int = field(64, help="most requests queued before new ones get 429")
@@ -61,6 +73,7 @@ class EngineConfig:
         self.device = Device(self.device)
         self.dtype = DType(self.dtype)
         self.moe_backend = MoEBackend(self.moe_backend)
+        self.decode_overlap = DecodeOverlap(self.decode_overlap)
         sizing = [self.moe_cache_size is not None, self.moe_cache_rate is not None, bool(self.moe_cache_auto)]
         if sum(sizing) > 1:
             raise ValueError("--moe-cache-size, --moe-cache-rate and --moe-cache-auto are mutually exclusive; give one")

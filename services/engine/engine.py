@@ -1,4 +1,4 @@
-"""The engine: loads the model, then runs the step loop (schedule -> run -> postprocess) on one thread.
+"""The engine: loads the model, then runs the step loop (schedule -> launch -> collect -> postprocess) on one thread.
 
 The asyncio side (engine API, or the gateway's in-process client under `tandem serve`) talks to the
 model thread through two things only: ``submit`` (validated at once, raises for 400/429/503, queued in
@@ -16,7 +16,7 @@ from collections import deque
 from typing import Any, Callable
 
 from services.common.logging import get_logger
-from services.engine.config import EngineConfig
+from services.engine.config import DecodeOverlap, EngineConfig
 from services.engine.metrics import EngineMetrics
 from services.engine.reports import build_info, flat_backend_stats, vram_stats
 from services.engine.runtime.sampler import SamplingParams
@@ -104,10 +104,13 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._window: deque[tuple[float, int]] = deque()  # (time, tokens generated in that step)
-        # decode_step_seconds: the model thread's time in runner.run (forward + sampling, tokens on the host)
-        # over decode_steps; a client's time per token beyond it is the serving path's own (HTTP, scheduling)
+        self._inflight = None  # the step launched and not finished yet (runner.LaunchedStep), decode overlap
+        self._last_step_end = 0.0  # perf_counter when the last step's tokens reached the host
+        self._recapture = False  # the backend was rebuilt: capture the decode graphs again once drained
+        # decode_step_seconds over decode_steps: from a step's launch (or, chained, the step before it
+        # ending) to its tokens on the host; a client's time per token beyond it is the serving path's own
         self._totals = {"requests_finished": 0, "requests_aborted": 0, "tokens_generated": 0, "steps": 0,
-                        "decode_steps": 0, "decode_step_seconds": 0.0}
+                        "decode_steps": 0, "decode_step_seconds": 0.0, "chained_steps": 0}
         self.started_at = time.time()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -144,8 +147,9 @@ class Engine:
             self.maintenance = Maintenance.FAILED
             return
         self.maintenance = Maintenance.SERVING
-        log.info("ready: model %s, backend %s, %d slots x %d tokens", self.loaded.model_id,
-                 self.config.moe_backend.value, self.config.max_running_requests, self.config.max_seq_len)
+        log.info("ready: model %s, backend %s, %d slots x %d tokens, decode overlap %s", self.loaded.model_id,
+                 self.config.moe_backend.value, self.config.max_running_requests, self.config.max_seq_len,
+                 self.config.decode_overlap.value)
         if self._on_ready is not None:
             self._on_ready()
         try:
@@ -198,7 +202,8 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._inbox and not self.scheduler.has_work() and not self._stop:
+                while (not self._inbox and not self.scheduler.has_work() and self._inflight is None
+                       and not self._stop):
                     self._cond.wait()
                 if self._stop:
                     break
@@ -207,6 +212,8 @@ class Engine:
                 for item in items:  # adds go to the waiting queue under the lock (exact 429 accounting)
                     if item[0] == "add":
                         self.scheduler.waiting.append(item[1])
+            if items:
+                self.drain()  # calls and aborts meet a model with nothing in flight
             for item in items:
                 if item[0] == "abort":
                     req = self.scheduler.abort(item[1])
@@ -220,27 +227,77 @@ class Engine:
                     except Exception as exc:
                         done(None, exc)
             self.step()
+        self.drain()
         self.scheduler.abort_all("shutdown")
 
     def step(self) -> None:
-        """schedule -> run -> postprocess (one forward for every running request)."""
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return
+        """Launch the next forward, then finish the one before it (tokens to the host, stop checks, streams).
+
+        Decode overlap: while the device computes step N, step N+1 of the same requests is launched with
+        step N's samples as its input ids, still on the device (Scheduler.continue_batch), and only then
+        are step N's tokens read. The host's per-token work (postprocess, metrics, the API thread's
+        streaming) then runs while the device computes, instead of between two steps."""
+        done = self._inflight
+        if done is None:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return
+            done = self._launch(batch)
+            if done is None:
+                return
+        chained = self.scheduler.continue_batch(done.batch) if self._may_chain(done) else None
+        self._inflight = self._launch(chained, after=done) if chained is not None else None
+        self._totals["chained_steps"] += self._inflight is not None
+        self._finish(done)
+        if self._recapture:  # `auto` swapped its backend: the graphs replay the old one's buffers
+            self.drain()
+            self.runner.recapture()
+            self._recapture = False
+
+    def drain(self) -> None:
+        """Finish the step still in flight, if any (before calls, aborts and shutdown see the model)."""
+        while self._inflight is not None:
+            done, self._inflight = self._inflight, None
+            self._finish(done)
+
+    def _may_chain(self, done) -> bool:
+        overlap = self.config.decode_overlap
+        if overlap == DecodeOverlap.OFF or self._inbox or self._recapture or not done.rows:
+            return False  # the inbox's calls and aborts want a quiet model: they are served first
+        if getattr(self.backend, "may_rebuild", False):  # `auto` before its verdict: observing a step may
+            return False  # free buffers and stop the CPU executor that a step in flight still waits on
+        return overlap == DecodeOverlap.ON or self.runner.can_replay(len(done.rows))
+
+    def _launch(self, batch, after=None):
+        """runner.launch, or None after aborting the batch's requests when it fails."""
         try:
-            t0 = time.perf_counter()
-            token_ids = self.runner.run(batch)  # ends with the sampled ids on the host: a full step
-            seconds = time.perf_counter() - t0
-            if batch.num_prefill == 0:
-                self._totals["decode_steps"] += 1
-                self._totals["decode_step_seconds"] += seconds
-            self._observe_backend(batch, seconds)
+            return self.runner.launch(batch, after)
         except Exception:
-            log.exception("forward failed for %d requests; aborting them", len(batch.requests))
-            for req in batch.requests:  # each stream ends with finish_reason "abort" (the gateway: 500)
-                self.scheduler.abort(req.request_id)
+            self._forward_failed(batch)
+            return None
+
+    def _forward_failed(self, batch) -> None:
+        log.exception("forward failed for %d requests; aborting them", len(batch.requests))
+        for req in batch.requests:  # each stream ends with finish_reason "abort" (the gateway: 500)
+            self.scheduler.abort(req.request_id)
+
+    def _finish(self, done) -> None:
+        batch = done.batch
+        try:
+            token_ids = self.runner.collect(done)  # a launched step's tokens on the host: the step is over
+        except Exception:
+            self._forward_failed(batch)
             return
+        finished_at = time.perf_counter()
+        # a chained step's time starts when the one before it ended: the period between two steps' tokens
+        seconds = finished_at - max(done.launched_at, self._last_step_end)
+        self._last_step_end = finished_at
+        if batch.num_prefill == 0:
+            self._totals["decode_steps"] += 1
+            self._totals["decode_step_seconds"] += seconds
         prev = [r.last_token_time for r in batch.requests]
+        # a request can end before its step does: aborted, or stopped by the step a chained one came after
+        ended = [r.finish_reason is not None for r in batch.requests]
         self.scheduler.postprocess(batch, token_ids)
         now = time.monotonic()
         generated = sum(t is not None for t in token_ids)
@@ -254,8 +311,8 @@ class Engine:
         m.observe_step(sched["running"], sched["waiting"], sched["kv_usage"],
                        prompt_tokens=batch.num_tokens - (len(batch.requests) - batch.num_prefill),
                        generation_tokens=generated)
-        for req, last, tok in zip(batch.requests, prev, token_ids):
-            if tok is None:  # a prompt chunk: no token yet
+        for req, last, tok, was_over in zip(batch.requests, prev, token_ids, ended):
+            if tok is None or was_over:  # a prompt chunk (no token yet), or a token postprocess dropped
                 continue
             if last is None:
                 m.observe_first_token(now - req.arrival_time)
@@ -263,12 +320,13 @@ class Engine:
                 m.observe_inter_token(now - last)
             if req.finish_reason is not None and req.finish_reason != FinishReason.ABORT:
                 self._finished(req, now)
+        self._observe_backend(batch, seconds)
 
     def _observe_backend(self, batch, seconds: float) -> None:
         """Decode step times feed `auto`'s online verdict; a rebuilt backend needs new decode graphs."""
         observe = getattr(self.backend, "observe_decode_step", None)
         if observe is not None and batch.num_prefill == 0 and observe(seconds, len(batch.requests)):
-            self.runner.recapture()
+            self._recapture = True
 
     def _finished(self, req: Request, now: float) -> None:
         self._totals["requests_finished"] += 1

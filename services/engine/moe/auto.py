@@ -64,6 +64,12 @@ class AutoBackend:
         self._skip = WARMUP_STEPS
         self.settled = False
 
+    @property
+    def may_rebuild(self) -> bool:
+        """Until the verdict the next observe_decode_step may rebuild the inner backend, freeing what a step
+        still in flight on the device uses: the engine chains no decode steps (decode overlap) until then."""
+        return not self.settled
+
     def observe_decode_step(self, seconds: float, tokens: int) -> bool:
         """One decode step's wall time for ``tokens`` sequences. True when the inner backend was rebuilt
         (the caller must re-capture its decode graphs)."""

@@ -1,5 +1,9 @@
 """Runs one scheduled batch: build the model inputs, one forward over the KV cache, sample.
 
+``launch`` queues all of it on the device and returns; ``collect`` waits for the sampled ids on the host
+(``run`` = both). Between the two the engine may launch the next step of the same requests, fed by this
+step's samples on the device (decode overlap, services/engine/engine.py).
+
 Dimension legend: T tokens in the step · N sequences in the step · V vocabulary · S KV slots.
 
 The runner owns the KV cache (``S = max_running_requests`` slots of ``max_seq_len`` tokens, plus one
@@ -14,6 +18,9 @@ eager (logged), so a backend that is not graph-safe costs speed, never correctne
 """
 
 from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,39 +74,82 @@ class ModelRunner:
         else:
             log.info("expert backend is not CUDA-graph safe: decode steps run eagerly")
 
-    @torch.inference_mode()
+    def can_replay(self, num_rows: int) -> bool:
+        """Whether a decode step of ``num_rows`` sequences replays a captured graph."""
+        return self.graphs is not None and any(b >= num_rows for b in self.graphs.graphs)
+
     def run(self, batch: ScheduledBatch) -> list[int | None]:
         """Forward the batch and return one sampled token id per sequence (N entries; None for a prompt
         chunk that does not end its prompt: nothing is sampled, its generator is not touched)."""
+        return self.collect(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, after: "LaunchedStep | None" = None) -> "LaunchedStep":
+        """Queue the batch's forward and sampling on the device and return without waiting for them.
+
+        ``after``: the step before, whose sampled tokens (still on the device) are this batch's input
+        ids, row for row (a chained batch, ``Scheduler.continue_batch``). On CUDA the tokens are copied
+        to pinned memory behind the sampling, and ``collect`` waits for that copy alone."""
+        ids = after.tokens if after is not None else None  # [N] on the device
         logits = None
         if self.graphs is not None and batch.num_prefill == 0:
-            logits = self.graphs.run(batch.input_ids, batch.positions, batch.slots)  # [N, V] or None
+            logits = self.graphs.run(batch.input_ids, batch.positions, batch.slots, ids)  # [N, V] or None
         if logits is None:
-            logits = self.forward_eager(batch)
+            logits = self.forward_eager(batch, ids)
         rows = [i for i, s in enumerate(batch.samples) if s]
+        step = LaunchedStep(batch, rows)
+        if not rows:  # every row a mid-prompt chunk
+            return step
         reqs = [batch.requests[i] for i in rows]
         for req in reqs:
             if req.generator is None and not req.params.greedy:
                 req.generator = make_generator(req.params.seed, self.device)
-        out: list[int | None] = [None] * len(batch.requests)
-        if not rows:  # every row a mid-prompt chunk
-            return out
         if len(rows) < logits.shape[0]:
             logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]  # [n, V]
-        for i, tok in zip(rows, self.sampler(logits, [r.params for r in reqs], [r.generator for r in reqs])):
+        step.tokens = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])  # [n]
+        if self.device.type == "cuda":
+            step.host = torch.empty(len(rows), dtype=torch.long, pin_memory=True)
+            step.host.copy_(step.tokens, non_blocking=True)
+            step.ready = torch.cuda.Event()
+            step.ready.record()
+        return step
+
+    def collect(self, step: "LaunchedStep") -> list[int | None]:
+        """Wait for a launched step's tokens: one id per sequence of its batch (None where nothing was sampled)."""
+        out: list[int | None] = [None] * len(step.batch.requests)
+        if step.tokens is None:
+            return out
+        if step.ready is not None:
+            step.ready.synchronize()
+        for i, tok in zip(step.rows, (step.host if step.host is not None else step.tokens).tolist()):
             out[i] = tok
         return out
 
-    def forward_eager(self, batch: ScheduledBatch) -> torch.Tensor:
+    def forward_eager(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [N, V] of one eager forward; ``input_ids`` [T] on the device replaces the batch's own."""
         from services.engine.runtime.kv_cache import ForwardBatch
 
-        input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)  # [T]
+        if input_ids is None:
+            input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)  # [T]
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)  # [T]
         fb = ForwardBatch(slots=batch.slots, start_pos=batch.start_pos, query_lens=batch.query_lens)
         return self.model(input_ids, positions, fb, self.kv)  # [N, V] fp32
 
     def stats(self) -> dict:
         return {"cuda_graph_sizes": sorted(self.graphs.graphs) if self.graphs else []}
+
+
+@dataclass(eq=False)
+class LaunchedStep:
+    """A step queued on the device (ModelRunner.launch): its batch, the rows that sample, their tokens on
+    the device, and on CUDA a pinned copy of them with the event that says it has landed."""
+
+    batch: ScheduledBatch
+    rows: list[int]  # indices into batch.requests of the rows that sample
+    tokens: torch.Tensor | None = None  # [len(rows)] int64 on the device; None when nothing samples
+    host: torch.Tensor | None = None  # [len(rows)] pinned (CUDA)
+    ready: "torch.cuda.Event | None" = None
+    launched_at: float = field(default_factory=time.perf_counter)
 
 
 class DecodeGraphs:
@@ -174,16 +224,24 @@ class DecodeGraphs:
             raise RuntimeError(f"replay differs from eager: max abs diff {diff:.3g} (logits up to {scale:.3g})")
         self.graphs[B] = (graph, out)
 
-    def run(self, input_ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor | None:
-        """logits [N, V] of a decode step by graph replay, or None when no captured size fits N."""
-        n = len(input_ids)
+    def run(self, input_ids: list[int], positions: list[int], slots: list[int],
+            device_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """logits [N, V] of a decode step by graph replay, or None when no captured size fits N.
+        ``device_ids`` [N] on the device, when given, are the token ids (``input_ids`` is ignored).
+
+        Returns without waiting for the GPU: the inputs go up from pinned memory (a copy from pageable
+        memory may wait for the work queued before it, i.e. for the step still running)."""
+        n = len(positions)
         B = next((b for b in sorted(self.graphs) if b >= n), None)
         if B is None:
             return None
         pad = B - n
-        host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [self.pad_slot] * pad],
-                            dtype=torch.long)  # [3, B]
-        self.static[:, :B].copy_(host)
+        ids = [0] * n if device_ids is not None else input_ids
+        host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [self.pad_slot] * pad],
+                            dtype=torch.long).pin_memory()  # [3, B]
+        self.static[:, :B].copy_(host, non_blocking=True)
+        if device_ids is not None:
+            self.static[0, :n].copy_(device_ids)
         graph, out = self.graphs[B]
         graph.replay()
         return out[:n]

@@ -81,7 +81,13 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> list[int]:
-        """logits [N, V] fp32 · params/generators one per row -> N token ids.
+        """logits [N, V] fp32 · params/generators one per row -> N token ids on the host (waits for them)."""
+        return self.sample(logits, params, generators).tolist()
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               generators: list[torch.Generator | None]) -> torch.Tensor:
+        """logits [N, V] fp32 · params/generators one per row -> token ids [N] int64 on the logits' device,
+        without waiting for them (the engine feeds them to the next step before reading them).
 
         Greedy rows take the argmax; the others apply temperature, then top-k, then top-p (both on the
         tempered distribution, like transformers' warpers) and draw with the row's generator.
@@ -97,7 +103,7 @@ class Sampler:
             for j, i in enumerate(rows):  # a row draws over its own candidates: never its neighbours'
                 k = self._candidates(params[i], logits.shape[1])
                 out[i] = token_ids[j, self._draw(probs[j, :k], generators[i])]
-        return out.tolist()
+        return out
 
     @staticmethod
     def _candidates(p: SamplingParams, V: int) -> int:

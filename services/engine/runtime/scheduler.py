@@ -24,6 +24,9 @@ import torch
 from services.engine.runtime.sampler import SamplingParams
 
 
+PENDING = -1  # an input id not on the host yet: the previous step's sample, still on the device
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # an EOS / stop token was sampled
     LENGTH = "length"  # max_tokens reached (or the sequence hit max_seq_len)
@@ -75,7 +78,7 @@ class ScheduledBatch:
 
     requests: list[Request]
     num_prefill: int
-    input_ids: list[int]  # [T] concatenated per sequence
+    input_ids: list[int]  # [T] concatenated per sequence; PENDING in a chained batch (continue_batch)
     positions: list[int]  # [T]
     slots: list[int]  # [N]
     start_pos: list[int]  # [N] tokens already in each slot's cache
@@ -166,6 +169,24 @@ class Scheduler:
             batch.start_pos.append(pos)
             batch.query_lens.append(1)
         return batch
+
+    def continue_batch(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The next decode step of ``batch``'s requests, built before its tokens are known (a chained
+        step: input ids ``PENDING``, to be taken from the batch's samples on the device), or None when the
+        next step must be scheduled after ``postprocess``: a row did not sample (mid-prompt), a row's
+        pending token surely ends it (max_tokens, max_seq_len), another request runs or can be admitted.
+        A row whose pending token turns out to be a stop token computes one token that ``postprocess``
+        then drops (the request has finished)."""
+        if len(self.running) != len(batch.requests) or (self.waiting and self.free_slots):
+            return None
+        if not all(batch.samples):
+            return None
+        reqs = batch.requests
+        if any(len(r.output_token_ids) + 1 >= r.params.max_tokens or r.num_tokens + 1 >= self.max_seq_len for r in reqs):
+            return None
+        positions = [r.num_tokens for r in reqs]  # where the pending token goes
+        return ScheduledBatch(list(reqs), 0, [PENDING] * len(reqs), positions, [r.slot for r in reqs],
+                              list(positions), [1] * len(reqs))
 
     def postprocess(self, batch: ScheduledBatch, token_ids: list[int | None]) -> None:
         """Record the step's prompt chunks, append each sampled token (None: a chunk that did not end its

@@ -85,13 +85,13 @@ def test_online_verdict_keeps_the_measured_faster(faster, rebuilds, qwen3, tmp_p
     monkeypatch.setattr(auto, "gpu_uuid", lambda device: GPU)
     P.write_profile(fp32_profile(cpu_ov=200.0, pcie_ov=20.0), tmp_path)
     backend = auto_backend_for(lm, model_dir)
-    assert backend.current == "hybrid"
+    assert backend.current == "hybrid" and backend.may_rebuild  # the engine chains no steps yet
     seen_rebuilds, steps = 0, 0
     while not backend.settled and steps < 2000:  # hybrid first searches its split (~250 steps), then is timed
         seconds = 0.002 if backend.current == faster else 0.010  # per step of 2 tokens below
         seen_rebuilds += backend.observe_decode_step(seconds, tokens=2)
         steps += 1
-    assert backend.settled and backend.current == faster and seen_rebuilds == rebuilds
+    assert backend.settled and backend.current == faster and seen_rebuilds == rebuilds and not backend.may_rebuild
     assert steps > auto.WARMUP_STEPS + 2 * auto.TRIAL_STEPS + hybrid.TUNE_AFTER_STEPS  # hybrid's search was waited for
     measured = backend.stats()["auto"]["measured_s_per_token"]
     assert measured[faster] == pytest.approx(0.001) and measured[auto.OTHER[faster]] == pytest.approx(0.005)

@@ -24,12 +24,15 @@ def qwen3(hf_checkpoints):
     return hf_checkpoints["qwen3_moe"]
 
 
-@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.fixture(scope="module", params=["cpu", "cpu-overlap", pytest.param("cuda", marks=pytest.mark.gpu)])
 def engine(request, qwen3):
+    """cpu-overlap: every decode step that can be is chained to the one before (decode overlap forced on;
+    auto leaves it to CUDA graph replays, as the cuda engine here runs it)."""
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("CUDA is not available")
-    e = Engine(EngineConfig(model=str(qwen3.dir), device=request.param, max_running_requests=3,
-                            max_waiting_requests=16, max_seq_len=64))
+    e = Engine(EngineConfig(model=str(qwen3.dir), device=request.param.split("-")[0], max_running_requests=3,
+                            max_waiting_requests=16, max_seq_len=64,
+                            decode_overlap="on" if request.param.endswith("overlap") else "auto"))
     e.start()
     e.wait_ready(120)
     yield e
@@ -165,3 +168,43 @@ def test_duplicate_request_id_refused_while_in_flight(engine):
 
     tokens, last = asyncio.run(run())
     assert len(tokens) == 3 and last["finish_reason"] == "length"
+
+
+def test_decode_overlap_chains_steps_only_when_asked(engine):
+    """With overlap forced on, a lone request's decode steps are launched chained to the step before;
+    auto on the CPU never chains (nothing runs ahead there). Either way the tokens are transformers' (above)."""
+    async def run():
+        before = (await engine.stats())["chained_steps"]
+        await _collect(engine.submit("chain", PROMPTS[1], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)))
+        return (await engine.stats())["chained_steps"] - before
+
+    chained = asyncio.run(run())
+    if engine.config.decode_overlap.value == "on":
+        # 12 tokens: the prefill samples the first, then 11 decode steps, each launched with the step
+        # before it still in flight; nothing is chained after the 12th, which ends the request
+        assert chained == 11
+    elif engine.config.device.value == "cpu":
+        assert chained == 0
+    else:  # CUDA graphs replay every decode step here
+        assert chained == 11
+
+
+def test_stop_token_mid_chain_ends_the_request_there(engine, qwen3):
+    """A stop token sampled while the next step is already launched: the request ends on it, the chained
+    step's token is dropped, the slot is free and the next request is still transformers' own."""
+    expected = hf_greedy(qwen3.hf, PROMPTS[2], 9)
+    stop = expected[5]
+    cut = expected.index(stop) + 1  # the first time the stop id comes up
+
+    async def run():
+        tokens, last = await _collect(engine.submit("stop-mid", PROMPTS[2], SamplingParams(
+            max_tokens=9, temperature=0, stop_token_ids=[stop])))
+        after = await _collect(engine.submit("after-stop", PROMPTS[0], SamplingParams(
+            max_tokens=6, temperature=0, ignore_eos=True)))
+        return tokens, last, after, await engine.stats()
+
+    tokens, last, (after, _), stats = asyncio.run(run())
+    assert tokens == expected[:cut]
+    assert last["finish_reason"] == "stop" and last["stop_token_id"] == stop and last["completion_tokens"] == cut
+    assert after == hf_greedy(qwen3.hf, PROMPTS[0], 6)
+    assert stats["kv_slots_used"] == 0 and stats["running"] == 0
