@@ -48,6 +48,7 @@ ENV: dict[str, EnvVar] = {
         EnvVar("TANDEM_DEMO_DIR", "", "where `--model demo` writes its checkpoint; empty = $XDG_CACHE_HOME/tandem/demo"),
         EnvVar("TANDEM_HOST_HUGE_PAGES", "1", "host expert banks: '1' = advise transparent huge pages (2 MiB) before first touch, '0' = the kernel's default pages (A/B)"),
         EnvVar("TANDEM_CPU_PREFETCH", "4096:l2", "CPU executor's software prefetch into its weight stream: 'BYTES:LEVEL' ahead (LEVEL l1, l2 or nta), '0' = off (A/B)"),
+        EnvVar("TANDEM_CPU_CONFINE", "1", "cpu/hybrid on CUDA: '1' = the process's threads other than the CPU executor's workers run on the cores no worker is pinned to, '0' = anywhere (A/B)"),
         EnvVar("TANDEM_CUDA_GRAPHS", "1", "0 = run decode steps eagerly on CUDA (no graph capture; for A/B and debugging)"),
         EnvVar("TANDEM_WORKER_METRICS_PORT", "9101", "profiler worker's Prometheus port (0 = off)"),
         EnvVar("TANDEM_PROFILER_QUEUE", "", "profiler worker's own queue (one per GPU host); empty = tandem.profiler.<hostname>"),

@@ -284,7 +284,8 @@ class Engine:
     def _finish(self, done) -> None:
         batch = done.batch
         try:
-            token_ids = self.runner.collect(done)  # a launched step's tokens on the host: the step is over
+            # a launched step's tokens on the host: the step is over (sleeping while a chained one is queued)
+            token_ids = self.runner.collect(done, sleep=self._inflight is not None)
         except Exception:
             self._forward_failed(batch)
             return

@@ -109,10 +109,52 @@ def stream_prefetch(setting: str) -> tuple[int, int]:
     return int(nbytes), PREFETCH_LEVELS[level]
 
 
+_confined_from: set[int] | None = None  # the process's CPUs before confine_other_threads(), while confined
+
+
+def allowed_cpus() -> set[int]:
+    """The CPUs this process may run on (as before confine_other_threads(), while that is in force)."""
+    return set(_confined_from) if _confined_from is not None else os.sched_getaffinity(0)
+
+
+def _set_every_thread(cpus: set[int]) -> None:
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # the thread ended meanwhile
+            pass
+
+
+def confine_other_threads(worker_cpus: list[int]) -> set[int]:
+    """Move every thread of this process onto the CPUs no worker is pinned to, before the workers start
+    (threads made later inherit their maker's CPUs; the workers then pin themselves). The CPUs given,
+    or an empty set when none are left over or a confinement is already in force.
+
+    Why: a thread that floats (the engine's model thread, the HTTP event loop streaming tokens while the
+    next step runs) is woken wherever the kernel likes, often on a worker's core; that worker's share of
+    a layer then waits out the time slice, and the whole layer with it."""
+    global _confined_from
+    allowed = allowed_cpus()
+    spare = allowed - set(worker_cpus)
+    if not spare or _confined_from is not None:
+        return set()
+    _set_every_thread(spare)
+    _confined_from = allowed
+    return spare
+
+
+def release_other_threads() -> None:
+    """Undo confine_other_threads() (after the workers have stopped): every thread may use every CPU again."""
+    global _confined_from
+    if _confined_from is not None:
+        _set_every_thread(_confined_from)
+        _confined_from = None
+
+
 def physical_cpus() -> list[int]:
     """One logical CPU per physical core among those this process may run on (SMT siblings dropped:
     two threads streaming DRAM from one core share its load ports and gain nothing)."""
-    allowed = sorted(os.sched_getaffinity(0))
+    allowed = sorted(allowed_cpus())
     seen: set[tuple[str, str]] = set()
     cpus = []
     for cpu in allowed:
@@ -146,17 +188,23 @@ class CpuExecutor:
     SPIN_US_SPARE_CORE = 5000  # a decode layer's gap between CPU jobs is ~0.1-1 ms: spin through it
     SPIN_US_SHARED = 200  # every core has a worker: the caller needs the cores back soon
 
-    def __init__(self, banks: ExpertBanks, num_threads: int | None = None, spin_us: int | None = None, isa: str = ""):
+    def __init__(self, banks: ExpertBanks, num_threads: int | None = None, spin_us: int | None = None, isa: str = "",
+                 confine_others: bool = False):
         """num_threads: workers (default one per physical core, each pinned to its core); spin_us: how
         long idle workers and wait() spin before sleeping (default: 5 ms when a core is left for the
         caller, else 200 us: a sleeping pool costs a futex wake of every worker, serialised on one
         mutex, on the next job; a sleeping wait() a wake on the job's end);
-        isa: force 'avx512bf16'|'avx512'|'avx2'|'scalar'."""
+        isa: force 'avx512bf16'|'avx512'|'avx2'|'scalar'; confine_others: keep the process's other
+        threads on the CPUs left over from the workers until close() (confine_other_threads)."""
         ext = build_extension()
         cpus = physical_cpus()
         n = num_threads or len(cpus)
         if spin_us is None:
             spin_us = self.SPIN_US_SPARE_CORE if n < len(cpus) else self.SPIN_US_SHARED
+        self.confined_to = confine_other_threads(cpus[:n]) if confine_others and n < len(cpus) else set()
+        if self.confined_to:
+            log.info("cpu executor: %d workers on cores %s; the process's other threads on CPUs %s", n,
+                     cpus[:n], sorted(self.confined_to))
         # pin only when there is a core per worker; oversubscribed pools (tests) float
         self._impl = ext.Executor(cpus if n <= len(cpus) else [], n, spin_us, isa)
         self.banks = banks
@@ -256,7 +304,10 @@ class CpuExecutor:
         """Finish any job and stop the workers."""
         if self._pending is not None:
             self.stop_loop() if self._pending[-1] == "loop" else self.wait()
-        self._impl = None
+        self._impl = None  # joins the workers
+        if self.confined_to:
+            release_other_threads()
+            self.confined_to = set()
 
 
 def main(argv: list[str] | None = None) -> int:

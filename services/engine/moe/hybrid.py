@@ -110,7 +110,9 @@ class HybridBackend:
         self.expert_bytes = ctx.banks.expert_nbytes()
         if num_threads is None:
             num_threads = ctx.config.moe_cpu_threads or default_num_threads(leave_driver_core=ctx.device.type == "cuda")
-        self.executor = CpuExecutor(ctx.banks, num_threads=num_threads)
+        # driving a GPU, the engine's own threads stay off the workers' cores (CpuExecutor confine_others)
+        self.executor = CpuExecutor(ctx.banks, num_threads=num_threads,
+                                    confine_others=ctx.device.type == "cuda" and env("TANDEM_CPU_CONFINE") == "1")
         if graph_mode is None:
             graph_mode = env("TANDEM_HYBRID_GRAPHS") == "1"
         self.graph_mode = bool(graph_mode) and ctx.device.type == "cuda"

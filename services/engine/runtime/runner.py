@@ -110,17 +110,22 @@ class ModelRunner:
         if self.device.type == "cuda":
             step.host = torch.empty(len(rows), dtype=torch.long, pin_memory=True)
             step.host.copy_(step.tokens, non_blocking=True)
-            step.ready = torch.cuda.Event()
+            step.ready = torch.cuda.Event(blocking=True)  # collect(sleep=True) sleeps on it instead of spinning
             step.ready.record()
         return step
 
-    def collect(self, step: "LaunchedStep") -> list[int | None]:
-        """Wait for a launched step's tokens: one id per sequence of its batch (None where nothing was sampled)."""
+    def collect(self, step: "LaunchedStep", sleep: bool = False) -> list[int | None]:
+        """Wait for a launched step's tokens: one id per sequence of its batch (None where nothing was sampled).
+
+        ``sleep``: the thread sleeps until they land (a later step is queued behind this one, so waking a
+        little late costs nothing, and the core is free for the HTTP side meanwhile); otherwise it spins."""
         out: list[int | None] = [None] * len(step.batch.requests)
         if step.tokens is None:
             return out
-        if step.ready is not None:
+        if step.ready is not None and sleep:
             step.ready.synchronize()
+        elif step.ready is not None:  # nothing is queued behind this step: the stream's end is its end
+            torch.cuda.current_stream(self.device).synchronize()
         for i, tok in zip(step.rows, (step.host if step.host is not None else step.tokens).tolist()):
             out[i] = tok
         return out

@@ -154,6 +154,37 @@ def test_physical_cpus_are_allowed_and_distinct():
     assert cpus and len(set(cpus)) == len(cpus) and set(cpus) <= os.sched_getaffinity(0)
 
 
+def test_confine_others_keeps_the_process_off_the_workers_cores():
+    """With a core left over, every other thread of the process (those alive before, the caller, those
+    made later) runs on the leftover CPUs while the executor lives, and everywhere again after close()."""
+    import threading
+
+    before = os.sched_getaffinity(0)
+    cpus = physical_cpus()
+    stop = threading.Event()
+    older = threading.Thread(target=stop.wait)
+    older.start()
+    banks, hidden, ids, weights = make_case(3, 2, 5, 33, 17, torch.float32)
+    ex = CpuExecutor(banks, num_threads=1, spin_us=50, confine_others=True)
+    try:
+        if len(cpus) < 2:  # no core to spare: nothing is confined
+            assert ex.confined_to == set() and os.sched_getaffinity(0) == before
+            return
+        assert ex.confined_to == before - {cpus[0]}  # the one worker's core is the first physical one
+        newer = threading.Thread(target=stop.wait)
+        newer.start()
+        for tid in (threading.get_native_id(), older.native_id, newer.native_id):
+            assert os.sched_getaffinity(tid) == ex.confined_to
+        assert physical_cpus() == cpus  # what the process may use is unchanged: a later pool sees every core
+        torch.testing.assert_close(ex.forward(0, hidden, ids, weights), reference(banks, hidden, ids, weights))
+    finally:
+        ex.close()
+        stop.set()
+    assert os.sched_getaffinity(0) == before and os.sched_getaffinity(older.native_id) == before
+    older.join()
+    newer.join()
+
+
 def test_loop_mode_counts_every_job(executors):
     """start_loop runs jobs back to back (row k % N of the ids table) until stop_loop; the counters add
     up the distinct experts each job read, and the pool takes ordinary jobs again afterwards."""
