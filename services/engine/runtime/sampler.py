@@ -102,7 +102,9 @@ class Sampler:
             probs, token_ids = self._filtered_probs(sub, [params[i] for i in rows])  # [n, K] each
             for j, i in enumerate(rows):  # a row draws over its own candidates: never its neighbours'
                 k = self._candidates(params[i], logits.shape[1])
-                out[i] = token_ids[j, self._draw(probs[j, :k], generators[i])]
+                # gather, not token_ids[j, idx]: indexing with a 0-dim device tensor reads it on the host,
+                # a sync that kept the engine from queueing the next step ahead (docs/benchmarks.md run 27)
+                out[i:i + 1] = token_ids[j].gather(0, self._draw(probs[j, :k], generators[i]).view(1))
         return out
 
     @staticmethod

@@ -30,6 +30,10 @@ SHAPES = [  # T, A, E, D, I
     (17, 4, 9, 96, 40),
     (64, 8, 16, 128, 64),
 ]
+# The handoff's protocol tests play the device on the CPU (Triton's interpreter, a stand-in driver); on a CUDA
+# machine the interpreter is off and the real driver answers, and the GPU tests cover the real handoff.
+CPU_PLAYS_THE_DEVICE = pytest.mark.skipif(torch.cuda.is_available(), reason="plays the device on the CPU; "
+                                          "with CUDA the gpu tests run the real handoff")
 ISAS = [isa for isa in ("avx512bf16", "avx512", "avx2", "scalar") if build_extension().select_isa(isa)]
 
 
@@ -237,6 +241,7 @@ def test_device_handoff_matches_reference(executors, fast):
         torch.testing.assert_close(out.cpu(), reference(banks, hidden, ids, weights), atol=2e-2, rtol=2e-2)
 
 
+@CPU_PLAYS_THE_DEVICE
 def test_graph_handoff_protocol(executors):
     """Job word -> poller -> done word -> add, on the CPU (the kernels interpreted, the stream's order
     played by the test: the interpreter copies arguments, so the wait kernel runs once the CPU is done)."""
@@ -332,6 +337,7 @@ def test_graph_mode_warms_the_posted_row_after_the_job():
         ex.close()
 
 
+@CPU_PLAYS_THE_DEVICE
 def test_graph_handoff_times_out_into_nans():
     """A CPU job that never answers must not hang the device: the wait kernel gives up and writes NaNs."""
     from kernels.cpu_handoff import wait_cpu_add
@@ -403,6 +409,7 @@ print("FAKE-DRIVER-OK")
 """
 
 
+@CPU_PLAYS_THE_DEVICE
 def test_eager_device_handoff_through_a_stand_in_driver(tmp_path):
     """The driver-API eager handoff (link_device / device_submit / device_sync), end to end on the CPU:
     a stand-in libcuda.so.1 runs every async copy late on a FIFO "stream" thread, so a job that did not
