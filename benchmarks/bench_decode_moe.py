@@ -232,12 +232,17 @@ def step_split(row: dict, before: dict, after: dict) -> dict:
     model thread over the measured request) and what the serving path adds (HTTP, scheduling, streaming);
     {} when the engine does not report its steps. The stream's first event can reach the client later than
     the token behind it was made (the first chunk costs the server more), which shortens the client's
-    window by up to a step: on a short request the serving part can read slightly negative."""
+    window by up to a step: on a short request the serving part can read slightly negative.
+    With decode overlap (``chained_share``: the decode steps launched before the step ahead of them was
+    read) a step's time is the period between two steps' tokens, which holds the serving work: the
+    serving part then reads ~0 by construction."""
     steps = after.get("decode_steps", 0) - before.get("decode_steps", 0)
     if steps <= 0 or not row.get("decode_tok_s"):
         return {}
     step_ms = (after["decode_step_seconds"] - before["decode_step_seconds"]) / steps * 1e3
-    return {"engine_step_ms": step_ms, "serving_ms_per_token": 1e3 / row["decode_tok_s"] - step_ms}
+    chained = after.get("chained_steps", 0) - before.get("chained_steps", 0)
+    return {"engine_step_ms": step_ms, "serving_ms_per_token": 1e3 / row["decode_tok_s"] - step_ms,
+            "chained_share": chained / steps}
 
 
 def table_line(cells: list) -> str:
