@@ -116,3 +116,28 @@ def test_a_new_prompt_takes_what_the_budget_leaves():
     s.postprocess(b, [50, None])
     b = s.schedule()  # b's remaining 3 tokens, then a's decode
     assert [r.request_id for r in b.requests] == ["b", "a"] and b.start_pos == [2, 4] and b.query_lens == [3, 1]
+
+
+def test_continue_batch_only_when_nothing_else_is_due():
+    """A chained step: the same rows at the pending tokens' positions, ids PENDING; None when a prompt is
+    mid-chunk, a row's pending token ends it, or a waiting request could take a free slot."""
+    from services.engine.runtime.scheduler import PENDING
+
+    s, outs = Scheduler(max_running=3, max_waiting=8, max_seq_len=64, eos_token_ids=[EOS], max_prefill_tokens=4), {}
+    s.add(_req("a", [5, 6, 7], outs, max_tokens=3))
+    s.add(_req("b", [8, 9], outs, max_tokens=5))
+    b = s.schedule()  # a whole, b's first token of prompt only (budget 4): b did not sample
+    assert b.query_lens == [3, 1] and s.continue_batch(b) is None
+    s.postprocess(b, [11, None])
+    b = s.schedule()  # b's last prompt token + a's decode: both sample
+    chained = s.continue_batch(b)
+    assert [r.request_id for r in chained.requests] == ["b", "a"] and chained.num_prefill == 0
+    assert chained.input_ids == [PENDING, PENDING] and chained.positions == [2, 4] == chained.start_pos
+    assert chained.slots == b.slots and chained.query_lens == [1, 1]
+    s.postprocess(b, [12, 13])  # a has 2 of 3 tokens: its next ends it by max_tokens
+    assert s.continue_batch(s.schedule()) is None
+    s2, outs2 = Scheduler(max_running=2, max_waiting=8, max_seq_len=64, eos_token_ids=[EOS]), {}
+    s2.add(_req("x", [5], outs2, max_tokens=9))
+    first = s2.schedule()
+    s2.add(_req("y", [6], outs2, max_tokens=9))  # arrived while x ran, and a slot is free: schedule it next
+    assert s2.continue_batch(first) is None
