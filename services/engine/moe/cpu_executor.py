@@ -151,6 +151,32 @@ def release_other_threads() -> None:
         _confined_from = None
 
 
+WORKER_NAME_PREFIX = "tandem-cpu-"  # executor.cpp names its worker threads so (top -H, /proc)
+
+
+def _worker_tids() -> set[int]:
+    """Thread ids of this process's executor workers (all pools)."""
+    tids = set()
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            if (task / "comm").read_text().startswith(WORKER_NAME_PREFIX):
+                tids.add(int(task.name))
+        except OSError:  # the thread ended meanwhile
+            continue
+    return tids
+
+
+def _preemptions(tid: int) -> int:
+    """Nonvoluntary context switches of one thread of this process (0 once it has ended)."""
+    try:
+        for line in Path(f"/proc/self/task/{tid}/status").read_text().splitlines():
+            if line.startswith("nonvoluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def physical_cpus() -> list[int]:
     """One logical CPU per physical core among those this process may run on (SMT siblings dropped:
     two threads streaming DRAM from one core share its load ports and gain nothing)."""
@@ -201,12 +227,15 @@ class CpuExecutor:
         n = num_threads or len(cpus)
         if spin_us is None:
             spin_us = self.SPIN_US_SPARE_CORE if n < len(cpus) else self.SPIN_US_SHARED
+        self.worker_cpus = cpus[:n] if n <= len(cpus) else []  # pinned one per core, or floating (empty)
         self.confined_to = confine_other_threads(cpus[:n]) if confine_others and n < len(cpus) else set()
         if self.confined_to:
             log.info("cpu executor: %d workers on cores %s; the process's other threads on CPUs %s", n,
                      cpus[:n], sorted(self.confined_to))
         # pin only when there is a core per worker; oversubscribed pools (tests) float
+        others = _worker_tids()
         self._impl = ext.Executor(cpus if n <= len(cpus) else [], n, spin_us, isa)
+        self._tids = _worker_tids() - others  # this pool's workers (named before the constructor returns)
         self.banks = banks
         self._pending: tuple | None = None
         self._no_flag = torch.empty(0, dtype=torch.int64)  # "no ready flag", made once (an allocation per call shows)
@@ -294,6 +323,13 @@ class CpuExecutor:
         buf = torch.ones(nbytes // 4, dtype=torch.float32)
         seconds = self._impl.read_seconds(buf, reps)
         return buf.numel() * 4 / seconds
+
+    def worker_preemptions(self) -> int:
+        """How often the kernel took a core from one of the workers (their nonvoluntary context switches).
+        A worker spins on its own core, so each one means another thread ran there and that worker's
+        share of a layer waited: the count over a request says whether something (a client, a gateway,
+        a noisy neighbour) shares the workers' cores."""
+        return sum(_preemptions(tid) for tid in self._tids)
 
     def forward(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Synchronous submit + wait."""

@@ -448,7 +448,10 @@ class HybridBackend:
             "cpu_warm": self.warm.stats() if self.warm is not None else None,
             "cpu_executor": {"isa": self.executor.isa, "threads": self.executor.num_threads,
                              "jobs": self.totals["cpu_jobs"], "experts_computed": self.totals["cpu_experts"],
-                             "routes_computed": self.totals["cpu_routes"]},
+                             "routes_computed": self.totals["cpu_routes"],
+                             "worker_cpus": self.executor.worker_cpus,
+                             "spare_cpus": sorted(self.executor.confined_to),  # where the other threads run
+                             "worker_preemptions": self.executor.worker_preemptions()},
             "fetch_fraction": self._step_q16 / Q16,  # in use (the tuner's once it runs; split: the cost model's)
             "bandwidth_bytes_per_second": {"pcie": split["pcie_bytes_per_second"], "cpu": split["cpu_bytes_per_second"]},
             "c_sync_seconds": split["c_sync_seconds"],

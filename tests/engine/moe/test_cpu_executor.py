@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -187,6 +188,36 @@ def test_confine_others_keeps_the_process_off_the_workers_cores():
     assert os.sched_getaffinity(0) == before and os.sched_getaffinity(older.native_id) == before
     older.join()
     newer.join()
+
+
+def test_worker_preemptions_count_a_thread_sharing_a_workers_core():
+    """A pool finds its workers (named threads); a busy thread pinned to the one worker's core takes that
+    core from the spinning worker now and then, and worker_preemptions() counts it."""
+    import threading
+
+    from services.engine.moe.cpu_executor import WORKER_NAME_PREFIX
+
+    banks, hidden, ids, weights = make_case(3, 2, 5, 33, 17, torch.float32)
+    ex = CpuExecutor(banks, num_threads=1, spin_us=2_000_000)  # idle spin for 2 s: it keeps its core busy
+    try:
+        assert ex.worker_cpus == physical_cpus()[:1] and len(ex._tids) == 1
+        (tid,) = ex._tids
+        assert Path(f"/proc/self/task/{tid}/comm").read_text().strip() == WORKER_NAME_PREFIX + "0"
+        torch.testing.assert_close(ex.forward(0, hidden, ids, weights), reference(banks, hidden, ids, weights))
+        before = ex.worker_preemptions()
+
+        def busy() -> None:
+            os.sched_setaffinity(0, set(ex.worker_cpus))
+            end = time.monotonic() + 0.5
+            while time.monotonic() < end:
+                pass
+
+        thread = threading.Thread(target=busy)
+        thread.start()
+        thread.join()
+        assert ex.worker_preemptions() > before
+    finally:
+        ex.close()
 
 
 def test_loop_mode_counts_every_job(executors):

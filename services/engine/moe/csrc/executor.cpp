@@ -158,6 +158,8 @@ class Executor {
     for (int t = 0; t < n_; ++t) {
       int cpu = cpus.empty() ? -1 : static_cast<int>(cpus[t % cpus.size()]);
       threads_.emplace_back([this, t, cpu] { worker(t, cpu); });
+      // named before the constructor returns: the Python wrapper finds its workers by name in /proc
+      pthread_setname_np(threads_.back().native_handle(), ("tandem-cpu-" + std::to_string(t)).substr(0, 15).c_str());
     }
   }
   ~Executor() {
