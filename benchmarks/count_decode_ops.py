@@ -115,7 +115,7 @@ def count_decode_step(model: str, dtype: torch.dtype, kv_len: int, start: int = 
     counter = OpCounter()
     _wrap_triton(moe_gemv_module, counter)
     fused.FORCE = triton
-    for name in ("rmsnorm", "qk_norm_rope", "route_topk", "decode_attention"):
+    for name in ("rmsnorm", "qk_norm_rope", "route_topk", "decode_attention", "gemv"):
         _wrap_triton(importlib.import_module(f"kernels.{name}"), counter)
 
     def enter(i):

@@ -1,4 +1,4 @@
-"""The whole model with its fused Triton ops (RMSNorm + residual, q/k norm + rope, router top-k; under
+"""The whole model with its fused Triton ops (RMSNorm + residual, q/k norm + rope, router top-k, one-row GEMVs; under
 TRITON_INTERPRET here) against the torch path the parity tests check: prefill and decode logits, and
 the static decode step a CUDA-graph runner drives, on the tiny synthetic Qwen3-MoE (per-head q/k norm)."""
 

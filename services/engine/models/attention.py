@@ -88,7 +88,7 @@ class Attention(nn.Module):
                 o = self._decode(q, k, v, positions, batch, k_cache, v_cache, decode_bias)
         else:
             o = self._prefill(q, k, v, batch, k_cache, v_cache)
-        return self.o_proj(o.reshape(T, H * Dh))
+        return fused.linear(o.reshape(T, H * Dh), self.o_proj.weight, self.o_proj.bias)
 
     def _prefill(self, q, k, v, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
         """Per sequence: q [T, H, Dh], k/v [T, K, Dh] -> o [T, H, Dh]."""

@@ -3,7 +3,8 @@
 A bs=1 decode step is launch-bound (DESIGN.md §6: a few us per kernel even under CUDA-graph replay,
 48 layers), so RMSNorm (+ residual add), q/k norm + rope, decode attention (+ KV write) and the router's
 softmax/top-k are single Triton kernels on the GPU (kernels/rmsnorm.py, qk_norm_rope.py,
-decode_attention.py, route_topk.py), and q/k/v (gate/up) are one matmul (``LinearGroup``; everywhere).
+decode_attention.py, route_topk.py), q/k/v (gate/up) are one matmul (``LinearGroup``; everywhere), and
+one-row matmuls (q/k/v, o_proj, the router) take a GEMV kernel (``linear``, kernels/gemv.py).
 Counted by benchmarks/count_decode_ops.py. On the CPU the torch path runs
 (same maths; it is what the parity tests against transformers check). ``FORCE`` makes the CPU take the
 Triton path too (under TRITON_INTERPRET: kernel tests, benchmarks/count_decode_ops.py).
@@ -64,6 +65,19 @@ def call(name: str, module: str, attr: str, x: torch.Tensor, *args, **kwargs):
         return None
 
 
+GEMV_MAX_ROWS = 1  # rows at or below: kernels/gemv.py (the weight read once per row; cuBLAS beyond)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.nn.functional.linear`` with a decode step's single row on the GEMV kernel (kernels/gemv.py
+    says why: cuBLAS's tiles for many rows take 1.5-2x the weight's read time at one row)."""
+    if x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1:
+        got = call("gemv", "gemv", "gemv", x, weight, bias)
+        if got is not None:
+            return got
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 class LinearGroup:
     """Several ``nn.Linear`` of the same input as ONE matmul (q/k/v, gate/up): their weights are
     concatenated on first use and the Linears re-pointed at views of the concatenation, so parameter
@@ -108,4 +122,4 @@ class LinearGroup:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 return torch.cat([lin(x) for lin in self.linears], dim=-1)
             self._fuse()
-        return torch.nn.functional.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)

@@ -52,7 +52,7 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
-        topk_weights, topk_ids = route(self.gate(x), self.top_k, self.renormalize)  # [T, A] fp32, int64
+        topk_weights, topk_ids = route(fused.linear(x, self.gate.weight), self.top_k, self.renormalize)  # [T, A] fp32, int64
         if self.backend is None:
             raise RuntimeError("MoEBlock has no expert backend; call MoECausalLM.set_backend(...) first")
         out = self.backend.forward(self.moe_layer, x, topk_ids, topk_weights)  # [T, D]
