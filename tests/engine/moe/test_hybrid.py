@@ -124,6 +124,10 @@ def test_registered_and_built_by_config(hf_checkpoints, loaded):
         assert isinstance(backend, HybridBackend) and backend.mode is mode
         s = backend.stats()
         assert s["backend"] == mode.value and s["c_sync_seconds"] > 0 and s["cpu_executor"]["isa"]
+        ex = s["cpu_executor"]  # where the workers run (CPU device: every core, no other thread confined)
+        assert len(ex["worker_cpus"]) == ex["threads"] and ex["spare_cpus"] == []
+        assert isinstance(ex["worker_preemptions"], int) and ex["worker_preemptions"] >= 0
+        backend.close()
 
 
 @pytest.mark.gpu
