@@ -3,13 +3,10 @@
 # left is the serial part of each layer (~63 us, DRAM idle). One process, configs alternating (same banks, same
 # memory placement): plain hybrid against using that idle time for the next layer's predicted experts, read into
 # the CPU's caches (+w1, --moe-cpu-warm 1), copied ahead over PCIe (+p1, --moe-prefetch 1), or both.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-export PYTHONUNBUFFERED=1 TANDEM_PROFILES_DIR=/tmp/profiles XDG_CACHE_HOME=/tmp/xdg
-step() { echo; echo "=== $* ($(date +%T))"; }
+source scripts/gpu_prelude.sh
 step topology; lscpu | grep -iE "model name|numa|^L[23]|socket"; ls /sys/devices/system/node | grep node
-step build; timeout 90 python3 -m services.engine.moe.cpu_executor --build 2>&1 | tail -1
-step physlimits; (cd .tools && timeout 90 python3 physlimits.py > $OUT/physlimits31.txt 2>&1); grep -E "GBs" $OUT/physlimits31.txt | grep -E "h2d_gather_8|overlap|c_avx512_stream"
-cp $OUT/physlimits.json $OUT/physlimits31.json
+build
+ceilings 31
 C=hybrid,hybrid+w1,hybrid+p1,hybrid+p1+w1
 step one-process; timeout 400 python3 -m benchmarks.bench_hybrid_split --cache-rate 0.33 --configs $C,$C --json $OUT/split31.json 2>&1 \
   | grep -vE "INFO|building|it/s|config/s" | tail -12

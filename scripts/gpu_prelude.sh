@@ -1,0 +1,14 @@
+# Sourced by scripts/gpu_run30.sh and later: what every H200 call starts with. The wheels the device lacks
+# (.whl, carried) go to /tmp/site; profiles and the executor's build cache stay in /tmp.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+export PYTHONUNBUFFERED=1 TANDEM_PROFILES_DIR=/tmp/profiles XDG_CACHE_HOME=/tmp/xdg
+step() { echo; echo "=== $* ($(date +%T))"; }
+M24='synthetic:qwen3-30b-a3b?layers=24'
+row() { grep -E "^ +(resident|hybrid|offload|cpu|auto) "; }
+build() { step build; timeout 90 python3 -m services.engine.moe.cpu_executor --build 2>&1 | tail -1; }
+# physlimits.py's ceilings into $OUT/physlimitsN.txt and .json (N = $1), the bandwidths the bounds use printed
+ceilings() {
+  step physlimits; (cd .tools && timeout 90 python3 physlimits.py > "$OUT/physlimits$1.txt" 2>&1)
+  grep -E "GBs" "$OUT/physlimits$1.txt" | grep -E "h2d_gather_8|overlap|c_avx512_stream"
+  cp "$OUT/physlimits.json" "$OUT/physlimits$1.json"
+}
