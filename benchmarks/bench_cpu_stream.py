@@ -2,6 +2,13 @@
 prefetch in its GEMV loop: alone, and beside the PCIe gather that hybrid runs at the same time.
 
     python -m benchmarks.bench_cpu_stream [--prefetch 2048:l1,4096:l2,0] [--pages huge,small] [--json out.json]
+    python -m benchmarks.bench_cpu_stream --pages huge --prefetch 4096:l2 --allocations 8   # placement
+
+``--allocations N`` measures N banks allocated side by side (all alive at once, so each has its own
+memory): identical hybrid servers on one H200 host differ by 10-15 % in the executor's read rate for
+the whole life of the process (docs/benchmarks.md run 30), which a spread between allocations here would
+trace to where the banks' memory lands (in a VM, for example, which guest pages the host backs with
+huge pages).
 
 Why: hybrid's decode time is the CPU's share of each layer's misses read from host DRAM while the GPU
 copies the other share over PCIe from the same DRAM. The executor reached 103-108 GB/s alone on the
@@ -37,10 +44,14 @@ from services.profiler import probes
 PAGES = ("huge", "small")  # banks advised to 2 MiB pages or left to the kernel's default (TANDEM_HOST_HUGE_PAGES)
 
 
-def measure(args: argparse.Namespace, pages: str, cuda: bool, bar: tqdm) -> list[dict]:
-    """Rows of one page size: per prefetch setting, the executor alone and beside the gather."""
-    bank = probes.make_bank(args.experts, args.hidden, args.intermediate, torch.bfloat16, pin=cuda,
+def allocate(args: argparse.Namespace, pages: str, cuda: bool) -> probes.ExpertBank:
+    """One bank of the benchmark's geometry in host memory of the given page size (pinned on CUDA)."""
+    return probes.make_bank(args.experts, args.hidden, args.intermediate, torch.bfloat16, pin=cuda,
                             huge_pages=pages == "huge")
+
+
+def measure(args: argparse.Namespace, pages: str, bank: probes.ExpertBank, cuda: bool, bar: tqdm) -> list[dict]:
+    """Rows of one bank: per prefetch setting, the executor alone and beside the gather."""
     page_report = host_page_report([bank.gate_up, bank.down])
     kernel = probes.CpuKernel(bank, args.top_k, args.threads, "executor")
     gather = probes.Gather(bank, args.top_k, 0) if cuda else None
@@ -77,14 +88,14 @@ def measure(args: argparse.Namespace, pages: str, cuda: bool, bar: tqdm) -> list
 
 
 def print_table(rows: list[dict]) -> None:
-    head = ["pages", "huge share", "prefetch", "CPU alone best / median", "beside PCIe: CPU + PCIe = sum (median)",
+    head = ["pages", "bank", "huge share", "prefetch", "CPU alone best / median", "beside PCIe: CPU + PCIe = sum (median)",
             "PCIe alone"]
     print(" | ".join(head))
     for r in rows:
         conc = (f"{r['cpu_ov_median_gbs']:.1f} + {r['pcie_ov_median_gbs']:.1f} = "
                 f"{r['cpu_ov_median_gbs'] + r['pcie_ov_median_gbs']:.1f}") if "cpu_ov_median_gbs" in r else "-"
         pcie = f"{r['pcie_alone_median_gbs']:.1f}" if "pcie_alone_median_gbs" in r else "-"
-        print(" | ".join([r["pages"], f"{r['huge_page_share']:.2f}", r["prefetch"],
+        print(" | ".join([r["pages"], str(r["allocation"]), f"{r['huge_page_share']:.2f}", r["prefetch"],
                           f"{r['alone_best_gbs']:.1f} / {r['alone_median_gbs']:.1f}", conc, pcie]))
 
 
@@ -102,8 +113,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="executor workers (default: as the hybrid backend on CUDA, one per physical core but one)")
     p.add_argument("--rounds", type=int, default=3, help="rounds over every setting (default: %(default)s)")
     p.add_argument("--seconds", type=float, default=0.5, help="seconds per measurement (default: %(default)s)")
+    p.add_argument("--allocations", type=int, default=1,
+                   help="banks per page size, allocated side by side and each measured (default: %(default)s)")
     p.add_argument("--json", default=None, help="write the rows to this path")
     args = p.parse_args(argv)
+    if args.allocations < 1:
+        p.error(f"--allocations must be at least 1, got {args.allocations}")
     args.prefetch = [s.strip() for s in args.prefetch.split(",") if s.strip()]
     pages = [s.strip() for s in args.pages.split(",") if s.strip()]
     try:
@@ -116,9 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     args.threads = args.threads or default_num_threads(leave_driver_core=True)
     cuda = torch.cuda.is_available()
     rows = []
-    with tqdm(total=len(pages) * args.rounds * len(args.prefetch), desc="cpu stream", unit="trial") as bar:
+    with tqdm(total=len(pages) * args.allocations * args.rounds * len(args.prefetch), desc="cpu stream",
+              unit="trial") as bar:
         for page in pages:
-            rows += measure(args, page, cuda, bar)
+            banks = [allocate(args, page, cuda) for _ in range(args.allocations)]  # alive together: distinct memory
+            for i, bank in enumerate(banks):
+                rows += [{**row, "allocation": i} for row in measure(args, page, bank, cuda, bar)]
+            del banks
     print(f"CPU executor stream · {args.threads} threads · top-{args.top_k} of {args.experts} experts "
           f"({args.hidden}x{args.intermediate}, bf16) · {args.rounds} rounds of {args.seconds} s · GB/s")
     print_table(rows)

@@ -15,8 +15,8 @@ def test_small_run_reports_every_setting(tmp_path, capsys):
     assert main(["--experts", "16", "--hidden", "256", "--intermediate", "128", "--threads", "1", "--rounds", "1",
                  "--seconds", "0.05", "--prefetch", "4096:l2,0", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert [(r["pages"], r["prefetch"]) for r in rows] == [("huge", "4096:l2"), ("huge", "0"),
-                                                           ("small", "4096:l2"), ("small", "0")]
+    assert [(r["pages"], r["prefetch"], r["allocation"]) for r in rows] == [
+        ("huge", "4096:l2", 0), ("huge", "0", 0), ("small", "4096:l2", 0), ("small", "0", 0)]
     for r in rows:
         assert r["alone_best_gbs"] >= r["alone_median_gbs"] > 0
         assert "cpu_ov_median_gbs" not in r  # no GPU here: no gather beside it
@@ -25,8 +25,20 @@ def test_small_run_reports_every_setting(tmp_path, capsys):
     assert "4096:l2" in capsys.readouterr().out
 
 
+def test_allocations_measure_each_bank(tmp_path):
+    """--allocations 2: two banks of one page size, both alive at once, each with a row per setting."""
+    out = tmp_path / "stream.json"
+    assert main(["--experts", "16", "--hidden", "256", "--intermediate", "128", "--threads", "1", "--rounds", "1",
+                 "--seconds", "0.05", "--prefetch", "0", "--pages", "huge", "--allocations", "2",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["pages"], r["allocation"]) for r in rows] == [("huge", 0), ("huge", 1)]
+    assert all(r["alone_median_gbs"] > 0 for r in rows)
+
+
 @pytest.mark.parametrize("args, named", [(["--prefetch", "fast"], "TANDEM_CPU_PREFETCH"),
-                                         (["--pages", "giant"], "--pages")])
+                                         (["--pages", "giant"], "--pages"),
+                                         (["--allocations", "0"], "--allocations")])
 def test_bad_settings_are_named(args, named, capsys):
     with pytest.raises(SystemExit):
         main(args)
