@@ -21,9 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 1  # rows (tokens) routed here; more rows: cuBLAS (each row would re-read the weight)
-
-
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
