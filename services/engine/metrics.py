@@ -20,6 +20,7 @@ sit one level down in a nested dict, e.g. the offload backend's ``{"backend": ..
     prefetched            next-layer experts copied host->GPU ahead of their routing (--moe-prefetch); the
                           ones that were right are then hits, so misses and fetched no longer count them
     cpu_warmed            next-layer experts the CPU read into its caches between jobs (--moe-cpu-warm)
+    worker_preemptions    times the kernel took a CPU executor worker's core (cpu, hybrid)
   per MoE layer (optional): "per_layer": {"hits": [L], "misses": [L], "fetched": [L], "cpu_computed": [L]}
     -- a list given there replaces the total for that key (label layer="0".."L-1"; else layer="all")
   current values (floats): slots (cache size), fetch_fraction, pcie_bytes_per_second,
@@ -57,6 +58,10 @@ EXPERT_PREFETCHED = Counter("tandem_expert_prefetched_total",
 EXPERT_CPU_WARMED = Counter("tandem_expert_cpu_warmed_total",
                             "Experts of the next MoE layer the CPU read into its caches between jobs (--moe-cpu-warm).",
                             _M)
+CPU_WORKER_PREEMPTIONS = Counter("tandem_cpu_worker_preemptions_total",
+                                 "Times the kernel took a CPU executor worker's core (cpu, hybrid): each stalls that "
+                                 "worker's share of a layer; a high rate means other work runs on the workers' cores.",
+                                 _M)
 HYBRID_FETCH_FRACTION = Gauge("tandem_hybrid_fetch_fraction",
                               "Share f of missing experts sent to the fetch path (DESIGN.md §1), 0..1.", _M)
 BANDWIDTH = Gauge("tandem_bandwidth_bytes_per_second",
@@ -96,6 +101,7 @@ _BACKEND_COUNTERS: dict[str, tuple[Counter, bool]] = {
     "bytes_fetched": (EXPERT_FETCHED_BYTES, False),
     "prefetched": (EXPERT_PREFETCHED, False),
     "cpu_warmed": (EXPERT_CPU_WARMED, False),
+    "worker_preemptions": (CPU_WORKER_PREEMPTIONS, False),
 }
 
 
