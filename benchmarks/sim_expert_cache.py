@@ -1,0 +1,221 @@
+"""Would another expert-cache policy miss less? Replays a routing trace of a real decode through the slot
+cache, as the kernels run it and with other eviction and fetch orders.
+
+1. trace: decode ``--tokens`` tokens of ``--model`` on the CPU (sampled at T 0.7 / top-p 0.8 / top-k 20, a
+   random prompt of ``--prompt-len`` tokens) and record the experts every MoE layer routes to, per call;
+   ``--trace-out`` keeps it, ``--trace`` replays a kept one instead.
+2. replay: one pool of S = ceil(r·L·E) slots shared by all layers (services/engine/moe/cache.py), per call
+   the layer's hits, then F of its M misses fetched into slots (offload: F = M; hybrid: F from the fetch
+   fraction f, the rule of kernels/ensure_experts_hybrid.py), the others computed on the CPU. Policies:
+     - evict ``lru``: least recently used slot, lowest index first (what kernels/ensure_experts.py does),
+       or ``lfu``: the slot whose expert was routed to least often so far, then least recently used;
+     - fetch ``lowest-id``: hybrid fetches the misses with the lowest expert ids (the kernels), or
+       ``most-used``: the misses routed to most often so far.
+   ``lru`` + ``lowest-id`` replays the engine's own counters call for call
+   (tests/benchmarks/test_sim_expert_cache.py checks it against a real offload and hybrid backend).
+
+    python -m benchmarks.sim_expert_cache --model 'synthetic:qwen3-moe-mini?layers=24' --tokens 512 \
+        --cache-rate 0.33 --fetch-fraction 1,0.28 [--trace-out trace.json]
+
+Miss rates are over the decode tokens after ``--warmup`` (the cache's start fills it). Every miss is an
+expert's bytes read from host DRAM (fetched or computed in place), so on a host where those reads bound
+decode (hybrid, offload), tok/s follows 1 / miss rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+Q16 = 1 << 16
+DECODE_MAX_ROUTES = 64  # services/engine/moe/hybrid.py: above, a call takes the offload path (every miss fetched)
+_PROTECTED = 1 << 62  # a slot hit or taken in this call: never the victim
+_USE_SHIFT = 36  # lfu's key: uses << 36 | last use (the clock counts calls: 2^36 is years of decode)
+
+
+def record_trace(lm, tokens: int, prompt_len: int, seed: int = 0) -> list[list[list[int]]]:
+    """Decode ``tokens`` tokens after a random prompt on ``lm`` (a LoadedModel on the CPU); returns per
+    call of each MoE layer, in order, the routed expert ids of all its rows (prefill: one call per layer)."""
+    from services.engine.runtime.kv_cache import ForwardBatch, KVCache
+
+    calls: list[list[int]] = []
+    backend = lm.model.backend
+    forward = backend.forward
+
+    def recording(layer, hidden, topk_ids, topk_weights):
+        calls.append([layer] + topk_ids.reshape(-1).tolist())
+        return forward(layer, hidden, topk_ids, topk_weights)
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def sample(logits: torch.Tensor) -> int:  # T 0.7, top-k 20, top-p 0.8: the synthetic presets' sampling
+        top = torch.topk(logits[-1].float() / 0.7, 20)
+        p = torch.softmax(top.values, -1)
+        p = p * (torch.cumsum(p, -1) - p < 0.8)
+        return int(top.indices[torch.multinomial(p / p.sum(), 1, generator=gen)])
+
+    backend.forward = recording
+    try:
+        kv = KVCache(lm.spec, 1, prompt_len + tokens + 1, "cpu", lm.dtype)
+        prompt = torch.randint(0, lm.spec.vocab_size, (prompt_len,), generator=gen)
+        token = sample(lm.model(prompt, torch.arange(prompt_len), ForwardBatch.single(0, 0, prompt_len), kv))
+        for pos in tqdm(range(prompt_len, prompt_len + tokens), desc="trace", unit="token", file=sys.stderr):
+            logits = lm.model(torch.tensor([token]), torch.tensor([pos]),
+                              ForwardBatch(slots=[0], start_pos=[pos], query_lens=[1]), kv)
+            token = sample(logits)
+    finally:
+        backend.forward = forward
+    return calls
+
+
+class SlotCache:
+    """The slot cache's tables and one policy, in numpy: ``call(layer, routes)`` is one backend call."""
+
+    def __init__(self, num_layers: int, num_experts: int, num_slots: int, fetch_fraction: float = 1.0,
+                 max_fetch: int = -1, evict: str = "lru", fetch: str = "lowest-id"):
+        if evict not in ("lru", "lfu") or fetch not in ("lowest-id", "most-used"):
+            raise ValueError(f"unknown policy: evict {evict!r}, fetch {fetch!r}")
+        self.E, self.S = num_experts, num_slots
+        self.q16, self.max_fetch, self.evict, self.fetch = round(fetch_fraction * Q16), max_fetch, evict, fetch
+        self.slot_of_id = np.full(num_layers * num_experts, -1, dtype=np.int64)
+        self.id_of_slot = np.full(num_slots, -1, dtype=np.int64)
+        self.last_use = np.zeros(num_slots, dtype=np.int64)
+        self.uses = np.zeros(num_layers * num_experts, dtype=np.int64)  # routed-to count per expert
+        self.clock = 0
+        self.hits = self.misses = 0
+
+    def _fetch_count(self, M: int, n_hit: int) -> int:
+        """F of kernels/ensure_experts_hybrid.py: lo or lo + 1, whichever balances the two sides better."""
+        q = self.q16
+        lo = (M * q) >> 16
+        F = lo if max(lo * (Q16 - q), (M - lo) * q) <= max((lo + 1) * (Q16 - q), (M - lo - 1) * q) else lo + 1
+        F = min(F, M, self.S - n_hit)
+        return min(F, self.max_fetch) if self.max_fetch >= 0 else F
+
+    def call(self, layer: int, routes: list[int]) -> None:
+        """One backend call of ``layer`` routing to ``routes`` (expert ids, -1 skipped)."""
+        base = layer * self.E
+        present = sorted({e for e in routes if 0 <= e < self.E})
+        if len(routes) > DECODE_MAX_ROUTES or (self.q16 >= Q16 and self.max_fetch < 0):
+            chunk = min(self.E, self.S)  # offload (or a prefill): every miss, chunk by chunk of present experts
+            for start in range(0, len(present), chunk):
+                hits, missed = self._lookup(base, present[start:start + chunk])
+                self._ensure(base, hits, missed)
+        else:
+            hits, missed = self._lookup(base, present)
+            order = sorted(missed, key=lambda e: -self.uses[base + e]) if self.fetch == "most-used" else missed
+            self._ensure(base, hits, sorted(order[:self._fetch_count(len(missed), len(hits))]))
+        for e in present:
+            self.uses[base + e] += 1
+
+    def _lookup(self, base: int, experts: list[int]) -> tuple[list[int], list[int]]:
+        """(cached, missed) among ``experts``, counted."""
+        cached = [e for e in experts if self.slot_of_id[base + e] >= 0]
+        missed = [e for e in experts if self.slot_of_id[base + e] < 0]
+        self.hits += len(cached)
+        self.misses += len(missed)
+        return cached, missed
+
+    def _ensure(self, base: int, hits: list[int], fetch: list[int]) -> None:
+        """kernels/ensure_experts.py for one chunk: hits refreshed, each fetched miss takes the victim slot."""
+        now = self.clock = self.clock + 1
+        self.last_use[self.slot_of_id[[base + e for e in hits]]] = now
+        key = np.where(self.id_of_slot < 0, -1, self.last_use)
+        if self.evict == "lfu":
+            key = np.where(self.id_of_slot < 0, -1, (self.uses[self.id_of_slot] << _USE_SHIFT) | self.last_use)
+        key[self.last_use == now] = _PROTECTED
+        for e in fetch:
+            victim = int(np.argmin(key))  # the lowest index among the smallest keys
+            old = self.id_of_slot[victim]
+            if old >= 0:
+                self.slot_of_id[old] = -1
+            self.slot_of_id[base + e], self.id_of_slot[victim] = victim, base + e
+            self.last_use[victim], key[victim] = now, _PROTECTED
+
+    @property
+    def miss_rate(self) -> float:
+        return self.misses / max(1, self.hits + self.misses)
+
+
+def replay(trace: dict, cache_rate: float, fetch_fraction: float, evict: str, fetch: str, warmup: int,
+           max_fetch: int = -1) -> dict:
+    """Miss rate of one policy over the trace's decode calls after ``warmup`` tokens."""
+    L, E = trace["layers"], trace["experts"]
+    cache = SlotCache(L, E, math.ceil(cache_rate * L * E), fetch_fraction, max_fetch, evict, fetch)
+    calls = trace["calls"]
+    first_measured = trace["prefill_calls"] + warmup * L
+    hits = misses = 0
+    for i, (layer, *routes) in enumerate(calls):
+        if i == first_measured:
+            hits, misses = cache.hits, cache.misses
+        cache.call(layer, routes)
+    measured = (cache.hits - hits) + (cache.misses - misses)
+    return {"fetch_fraction": fetch_fraction, "evict": evict, "fetch": fetch, "slots": cache.S,
+            "miss_rate": (cache.misses - misses) / max(1, measured)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="synthetic:qwen3-moe-mini?layers=24",
+                   help="model to trace on the CPU (default: %(default)s: Qwen3-30B-A3B's routing geometry at an "
+                        "eighth of the width)")
+    p.add_argument("--dtype", default="float32", help="dtype of the traced model (default: %(default)s)")
+    p.add_argument("--tokens", type=int, default=512, help="decode tokens traced (default: %(default)s)")
+    p.add_argument("--prompt-len", type=int, default=132, help="prompt tokens before them (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=384,
+                   help="decode tokens replayed before the miss rate is counted (default: %(default)s, as "
+                        "bench_decode_moe's warm-up request)")
+    p.add_argument("--cache-rate", type=float, default=0.33, help="share of all experts with a slot (default: %(default)s)")
+    p.add_argument("--fetch-fraction", default="1,0.28",
+                   help="comma list of f: 1 = offload, below = hybrid's split (default: %(default)s)")
+    p.add_argument("--trace", type=Path, help="replay this trace (from --trace-out) instead of tracing")
+    p.add_argument("--trace-out", type=Path, help="write the trace here")
+    p.add_argument("--json", type=Path, help="write the rows here")
+    args = p.parse_args(argv)
+    try:
+        fractions = [float(f) for f in args.fetch_fraction.split(",")]
+    except ValueError:
+        p.error(f"--fetch-fraction: expected a comma list of numbers, got {args.fetch_fraction!r}")
+    if not all(0 <= f <= 1 for f in fractions) or not 0 < args.cache_rate <= 1:
+        p.error("--fetch-fraction values and --cache-rate must lie in [0, 1] (cache rate above 0)")
+    if args.trace:
+        trace = json.loads(args.trace.read_text())
+    else:
+        from services.engine.config import EngineConfig
+        from services.engine.models.registry import load_model
+
+        lm = load_model(EngineConfig(model=args.model, device="cpu", dtype=args.dtype, moe_backend="resident",
+                                     max_seq_len=args.prompt_len + args.tokens + 1))
+        L = len(lm.banks.layers)
+        calls = record_trace(lm, args.tokens, args.prompt_len)
+        trace = {"model": args.model, "layers": L, "experts": lm.banks.layers[0].num_experts,
+                 "prefill_calls": L, "tokens": args.tokens, "calls": calls}
+        if args.trace_out:
+            args.trace_out.write_text(json.dumps(trace))
+    if args.warmup >= trace["tokens"]:
+        p.error(f"--warmup {args.warmup} leaves none of the trace's {trace['tokens']} tokens to measure")
+    rows = [replay(trace, args.cache_rate, f, evict, fetch, args.warmup)
+            for f in fractions for evict in ("lru", "lfu") for fetch in ("lowest-id", "most-used")
+            if f < 1 or fetch == "lowest-id"]  # offload fetches every miss: no order to choose
+    print(f"{trace['model']}: {trace['tokens']} decode tokens, {rows[0]['slots']} slots "
+          f"({args.cache_rate:.0%} of {trace['layers']} x {trace['experts']} experts), measured after {args.warmup}")
+    print(f"{'f':>5} | {'evict':>5} | {'fetch':>9} | miss rate | vs the kernels' lru + lowest-id")
+    for r in rows:
+        base = next(b for b in rows if b["fetch_fraction"] == r["fetch_fraction"] and b["evict"] == "lru"
+                    and b["fetch"] == "lowest-id")
+        print(f"{r['fetch_fraction']:5.2f} | {r['evict']:>5} | {r['fetch']:>9} | {r['miss_rate']:9.3f} | "
+              f"{r['miss_rate'] / base['miss_rate'] - 1:+.1%}")
+    if args.json:
+        args.json.write_text(json.dumps({"model": trace["model"], "tokens": trace["tokens"], "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
