@@ -11,8 +11,9 @@ cache, as the kernels run it and with other eviction and fetch orders.
        or ``lfu``: the slot whose expert was routed to least often so far, then least recently used;
      - fetch ``lowest-id``: hybrid fetches the misses with the lowest expert ids (the kernels), or
        ``most-used``: the misses routed to most often so far.
-   ``lru`` + ``lowest-id`` replays the engine's own counters call for call
-   (tests/benchmarks/test_sim_expert_cache.py checks it against a real offload and hybrid backend).
+   ``lru`` + ``lowest-id`` replays the engine's own counters call for call, and ``lfu`` + ``most-used`` those
+   of ``--moe-cache-policy lfu`` (tests/benchmarks/test_sim_expert_cache.py checks both against a real
+   offload and hybrid backend).
 
     python -m benchmarks.sim_expert_cache --model 'synthetic:qwen3-moe-mini?layers=24' --tokens 512 \
         --cache-rate 0.33 --fetch-fraction 1,0.28 [--trace-out trace.json]
@@ -34,10 +35,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from kernels.ensure_experts_ref import USE_CAP, USE_SHIFT
+
 Q16 = 1 << 16
 DECODE_MAX_ROUTES = 64  # services/engine/moe/hybrid.py: above, a call takes the offload path (every miss fetched)
 _PROTECTED = 1 << 62  # a slot hit or taken in this call: never the victim
-_USE_SHIFT = 36  # lfu's key: uses << 36 | last use (the clock counts calls: 2^36 is years of decode)
 
 
 def record_trace(lm, tokens: int, prompt_len: int, seed: int = 0) -> list[list[list[int]]]:
@@ -87,7 +89,7 @@ class SlotCache:
         self.slot_of_id = np.full(num_layers * num_experts, -1, dtype=np.int64)
         self.id_of_slot = np.full(num_slots, -1, dtype=np.int64)
         self.last_use = np.zeros(num_slots, dtype=np.int64)
-        self.uses = np.zeros(num_layers * num_experts, dtype=np.int64)  # routed-to count per expert
+        self.uses = np.zeros(num_layers * num_experts, dtype=np.int64)  # routed-to count per expert (the kernels')
         self.clock = 0
         self.hits = self.misses = 0
 
@@ -106,14 +108,22 @@ class SlotCache:
         if len(routes) > DECODE_MAX_ROUTES or (self.q16 >= Q16 and self.max_fetch < 0):
             chunk = min(self.E, self.S)  # offload (or a prefill): every miss, chunk by chunk of present experts
             for start in range(0, len(present), chunk):
-                hits, missed = self._lookup(base, present[start:start + chunk])
-                self._ensure(base, hits, missed)
+                part = present[start:start + chunk]
+                self._ensure(base, *self._lookup(base, part))
+                self._count(base, part)  # after the chunk's evictions, as kernels/ensure_experts.py
         else:
             hits, missed = self._lookup(base, present)
             order = sorted(missed, key=lambda e: -self.uses[base + e]) if self.fetch == "most-used" else missed
-            self._ensure(base, hits, sorted(order[:self._fetch_count(len(missed), len(hits))]))
-        for e in present:
-            self.uses[base + e] += 1
+            fetched = sorted(order[:self._fetch_count(len(missed), len(hits))])
+            self._count(base, present)  # in the split, before the evictions, as kernels/ensure_experts_hybrid.py
+            self._ensure(base, hits, fetched)
+
+    def _count(self, base: int, experts: list[int]) -> None:
+        """One use per expert; the layer's counts halved once one reaches USE_CAP (as the kernels)."""
+        layer = self.uses[base: base + self.E]
+        layer[experts] += 1
+        if layer.max() >= USE_CAP:
+            layer >>= 1
 
     def _lookup(self, base: int, experts: list[int]) -> tuple[list[int], list[int]]:
         """(cached, missed) among ``experts``, counted."""
@@ -129,7 +139,8 @@ class SlotCache:
         self.last_use[self.slot_of_id[[base + e for e in hits]]] = now
         key = np.where(self.id_of_slot < 0, -1, self.last_use)
         if self.evict == "lfu":
-            key = np.where(self.id_of_slot < 0, -1, (self.uses[self.id_of_slot] << _USE_SHIFT) | self.last_use)
+            key = np.where(self.id_of_slot < 0, -1, (self.uses[self.id_of_slot] << USE_SHIFT)
+                           | (self.last_use & ((1 << USE_SHIFT) - 1)))
         key[self.last_use == now] = _PROTECTED
         for e in fetch:
             victim = int(np.argmin(key))  # the lowest index among the smallest keys

@@ -10,10 +10,13 @@ One call handles one layer (and one chunk of its unique experts, see below):
      unique experts do not all fit in the cache runs ceil(min(E, N)/C) chunks, each call a new "step";
   3. hits keep their slot and get ``last_use = now``; misses take the least-recently-used slots whose
      ``last_use != now`` (empty slots first, then smallest ``last_use``, ties to the lowest slot index),
-     assigned in ascending expert id; the evicted expert's ``slot_of_id`` entry becomes -1;
+     assigned in ascending expert id; the evicted expert's ``slot_of_id`` entry becomes -1. With ``lfu``
+     (--moe-cache-policy lfu) the slot's priority is its expert's ``uses`` first, ``last_use`` second;
   4. ``slot_ids [T, A]`` = the slot of each route whose expert is in the chunk, else -1;
   5. copy jobs ``(job_src[i] = flat expert id layer*E+e, job_dst[i] = slot)`` for i < job_count, and the
-     per-layer counters hits/misses/fetched are accumulated; ``clock`` advances by one.
+     per-layer counters hits/misses/fetched are accumulated; ``clock`` advances by one; with
+     ``count_uses`` the chunk's experts count one use each (hybrid counts them in its split instead,
+     where the CPU's experts are still in sight).
 
 Everything stays on the device with fixed shapes (no host round trip): the kernel is one program, fine at
 decode (N = T*A is small) and linear in N for prefill. The clock makes every call a distinct LRU time, so
@@ -26,7 +29,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.ensure_experts_ref import CacheState, check_args, ensure_experts_reference, num_chunks  # noqa: F401
+from kernels.ensure_experts_ref import USE_CAP, USE_SHIFT, CacheState, check_args  # noqa: F401
+from kernels.ensure_experts_ref import ensure_experts_reference, num_chunks  # noqa: F401 (re-exported)
+
+
+@triton.jit
+def count_uses(uses_ptr, base, routed, e_idx, e_mask, USE_CAP: tl.constexpr):
+    """uses[base + e] += routed[e] over the layer's [BLOCK_E] tile, halved if a count reached USE_CAP (as
+    ensure_experts_ref.count_uses_). Shared by the ensure kernels."""
+    counts = tl.load(uses_ptr + base + e_idx, mask=e_mask, other=0) + routed.to(tl.int32)
+    counts = tl.where(tl.max(counts, axis=0) >= USE_CAP, counts >> 1, counts)
+    tl.store(uses_ptr + base + e_idx, counts, mask=e_mask)
 
 
 @triton.jit
@@ -55,11 +68,12 @@ def _ensure_experts_kernel(
     slot_of_id_ptr, id_of_slot_ptr, last_use_ptr, clock_ptr,
     # this call: routes in, slots and jobs out, counters accumulated
     topk_ids_ptr, slot_ids_ptr, job_src_ptr, job_dst_ptr, job_count_ptr,
-    hits_ptr, misses_ptr, fetched_ptr, work_ptr,
+    hits_ptr, misses_ptr, fetched_ptr, work_ptr, uses_ptr,
     # sizes
     layer, N, E, S, chunk_lo, chunk_size,
     # meta-parameters
-    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, LFU: tl.constexpr,
+    COUNT_USES: tl.constexpr, USE_SHIFT: tl.constexpr, USE_CAP: tl.constexpr,
 ):
     PROTECTED: tl.constexpr = 1 << 46  # = ensure_experts_ref._PROTECTED
     now = tl.load(clock_ptr) + 1
@@ -89,7 +103,11 @@ def _ensure_experts_kernel(
     s_mask = s_idx < S
     lu = tl.load(last_use_ptr + s_idx, mask=s_mask, other=0, cache_modifier=".cg")  # [BLOCK_S] int64
     owner = tl.load(id_of_slot_ptr + s_idx, mask=s_mask, other=-1)  # [BLOCK_S] int32
-    prio = tl.where(owner < 0, -1, lu)
+    if LFU:  # fewest uses first, then least recent
+        owner_uses = tl.load(uses_ptr + owner, mask=s_mask & (owner >= 0), other=0).to(tl.int64)
+        prio = tl.where(owner < 0, -1, (owner_uses << USE_SHIFT) | (lu & ((1 << USE_SHIFT) - 1)))
+    else:
+        prio = tl.where(owner < 0, -1, lu)
     prio = tl.where((lu == now) | (s_idx >= S), PROTECTED, prio)
     key = prio * 65536 + s_idx  # [BLOCK_S] int64
     # the misses compacted into the scratch (its presence flags were read before the last barrier)
@@ -135,10 +153,12 @@ def _ensure_experts_kernel(
     tl.store(fetched_ptr + layer, tl.load(fetched_ptr + layer) + n_miss)
     tl.store(job_count_ptr, n_miss)
     tl.store(clock_ptr, now)
+    if COUNT_USES:
+        count_uses(uses_ptr, base, in_chunk, e_idx, e_mask, USE_CAP)
 
 
 def ensure_experts(state: CacheState, layer: int, topk_ids: torch.Tensor, slot_ids: torch.Tensor | None = None,
-                   chunk: int = 0) -> torch.Tensor:
+                   chunk: int = 0, lfu: bool = False, count_uses: bool = True) -> torch.Tensor:
     """Triton launcher. topk_ids [T, A] (expert ids of ``layer``, -1 = skip) -> slot_ids [T, A] int32
     (slot of each route in this chunk, else -1); ``state`` is updated in place (module docstring)."""
     check_args(state, layer, topk_ids, chunk)
@@ -151,9 +171,10 @@ def ensure_experts(state: CacheState, layer: int, topk_ids: torch.Tensor, slot_i
     _ensure_experts_kernel[(1,)](
         state.slot_of_id, state.id_of_slot, state.last_use, state.clock,
         ids, slot_ids, state.job_src, state.job_dst, state.job_count,
-        state.hits, state.misses, state.fetched, state.work,
+        state.hits, state.misses, state.fetched, state.work, state.uses,
         layer, N, E, S, chunk * C, C,
         BLOCK_N=min(1024, triton.next_power_of_2(N)), BLOCK_E=triton.next_power_of_2(E), BLOCK_S=BLOCK_S,
+        LFU=lfu, COUNT_USES=count_uses, USE_SHIFT=USE_SHIFT, USE_CAP=USE_CAP,
         num_warps=4 if BLOCK_S <= 2048 else 8 if BLOCK_S <= 8192 else 16,
     )
     return slot_ids

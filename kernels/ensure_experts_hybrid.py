@@ -8,14 +8,16 @@ One call for one layer (decode: no chunks — every miss is either fetched or co
      hits are those with a slot, misses the rest (M). F is computed on the device from the Q16 fetch
      fraction (no host round trip, graph-capturable): lo = floor(M·f), F = lo or lo+1, whichever has the
      smaller max(F·(1-f), (M-F)·f); then F = min(F, max_fetch) if max_fetch >= 0 and F <= S - hits
-     (free slots). The fetched misses are the F with the *lowest expert ids* (deterministic) — except
-     that with ``warm_ids`` (the experts of this layer the CPU was asked to read into its caches ahead,
-     services/engine/moe/cpu_warm.py) the misses not in it are fetched first and the warmed ones
-     kept for the CPU, lowest id first within each group. Outputs:
+     (free slots). The fetched misses are the F with the *lowest expert ids* (deterministic), or with
+     ``lfu`` (--moe-cache-policy lfu) the F routed to most often so far (``uses``; ties to the lower id) —
+     except that with ``warm_ids`` (the experts of this layer the CPU was asked to read into its caches
+     ahead, services/engine/moe/cpu_warm.py) the misses not in it are fetched first and the warmed ones
+     kept for the CPU, in that order within each group. Every present expert then counts one use. Outputs:
      ``gpu_ids`` = topk_ids with the CPU's routes set to -1, ``cpu_ids`` = the CPU's expert ids, else -1;
      the layer's ``misses`` counter gets the unfetched M-F (so misses counts all M, uncapped);
-  2. ensure_experts (kernels/ensure_experts.py, reused as is) on ``gpu_ids``: hits keep their slots, the F
-     misses take LRU slots and become copy jobs; counters hits += hits, misses += F, fetched += F.
+  2. ensure_experts (kernels/ensure_experts.py, reused as is, its use count off) on ``gpu_ids``: hits keep
+     their slots, the F misses take the victim slots and become copy jobs; counters hits += hits,
+     misses += F, fetched += F.
 So after a call ``misses`` holds the uncapped and ``fetched`` the capped miss counts; routes in
 ``slot_ids`` are a slot (GPU: hit or fetched) or -1 (CPU or skipped) and each valid route is in exactly
 one of ``slot_ids >= 0`` / ``cpu_ids >= 0``.
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.ensure_experts_ref import CacheState, _check, ensure_experts_reference
+from kernels.ensure_experts_ref import USE_CAP, CacheState, _check, count_uses_, ensure_experts_reference
 
 Q16 = 1 << 16
 
@@ -53,7 +55,8 @@ def _check_split(state: CacheState, layer: int, topk_ids: torch.Tensor, f_q16: t
 
 
 def split_misses_reference(state: CacheState, layer: int, topk_ids: torch.Tensor, f_q16: torch.Tensor,
-                           max_fetch: int = -1, warm_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           max_fetch: int = -1, warm_ids: torch.Tensor | None = None,
+                           lfu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 1 of the module docstring: topk_ids [T, A] -> (gpu_ids [T, A], cpu_ids [T, A]) int64;
     adds the unfetched misses to ``state.misses[layer]``. warm_ids [K] (-1 = none): kept for the CPU."""
     _check_split(state, layer, topk_ids, f_q16, warm_ids)
@@ -75,24 +78,29 @@ def split_misses_reference(state: CacheState, layer: int, topk_ids: torch.Tensor
         w = warm_ids[(warm_ids >= 0) & (warm_ids < E)]
         warm[w] = True
     cold, hot = (miss & ~warm).long(), (miss & warm).long()
-    # [E] rank among misses: the cold ones first, then the warmed ones, ascending id within each
-    miss_rank = torch.where(warm, torch.cumsum(hot, 0) - hot + int(cold.sum()), torch.cumsum(cold, 0) - cold)
+    if lfu:  # [E] rank among misses: cold first, then warmed; the most used, then the lowest id, first
+        order = (warm.long() * (USE_CAP + 1) + USE_CAP - state.uses[layer * E: (layer + 1) * E].long()) * E
+        order = order + torch.arange(E, device=ids.device)
+        miss_rank = ((order[None, :] < order[:, None]) & miss[None, :]).sum(1)
+    else:  # [E] rank among misses: the cold ones first, then the warmed ones, ascending id within each
+        miss_rank = torch.where(warm, torch.cumsum(hot, 0) - hot + int(cold.sum()), torch.cumsum(cold, 0) - cold)
     on_cpu = miss & (miss_rank >= F)  # [E]
     route_cpu = valid & on_cpu[ids.clamp(0, E - 1)]  # [N]
     minus = torch.full_like(ids, -1)
     gpu_ids = torch.where(valid & ~route_cpu, ids, minus).view(topk_ids.shape)
     cpu_ids = torch.where(route_cpu, ids, minus).view(topk_ids.shape)
     state.misses[layer] += M - F
+    count_uses_(state, layer, present)
     return gpu_ids, cpu_ids
 
 
 def ensure_experts_hybrid_reference(state: CacheState, layer: int, topk_ids: torch.Tensor, f_q16: torch.Tensor,
-                                    max_fetch: int = -1, warm_ids: torch.Tensor | None = None
+                                    max_fetch: int = -1, warm_ids: torch.Tensor | None = None, lfu: bool = False
                                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch twin of :func:`ensure_experts_hybrid` (same arguments, same results bit for bit)."""
-    gpu_ids, cpu_ids = split_misses_reference(state, layer, topk_ids, f_q16, max_fetch, warm_ids)
+    gpu_ids, cpu_ids = split_misses_reference(state, layer, topk_ids, f_q16, max_fetch, warm_ids, lfu)
     slot_ids = torch.empty(topk_ids.shape, dtype=torch.int64, device=topk_ids.device)
-    ensure_experts_reference(state, layer, gpu_ids, slot_ids)
+    ensure_experts_reference(state, layer, gpu_ids, slot_ids, lfu=lfu, count_uses=False)
     return slot_ids, cpu_ids
 
 
@@ -104,23 +112,24 @@ _KERNEL = None
 
 
 def _split_kernel():
-    global _KERNEL, triton, tl, experts_present  # module globals: the JIT resolves names there
+    global _KERNEL, triton, tl, experts_present, count_uses  # module globals: the JIT resolves names there
     if _KERNEL is not None:
         return _KERNEL
     import triton
     import triton.language as tl
-    from kernels.ensure_experts import experts_present
+    from kernels.ensure_experts import count_uses, experts_present
 
     @triton.jit
     def _split_misses_kernel(
         # cache tables (read) and counters (accumulated)
-        slot_of_id_ptr, misses_ptr, work_ptr,
+        slot_of_id_ptr, misses_ptr, work_ptr, uses_ptr,
         # this call: routes in, the two route sets out, the Q16 fraction
         topk_ids_ptr, gpu_ids_ptr, cpu_ids_ptr, f_q16_ptr, warm_ptr,
         # sizes (K: warm ids, 0 = none)
         layer, N, E, S, max_fetch, K,
         # meta-parameters
-        BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, LFU: tl.constexpr,
+        USE_CAP: tl.constexpr,
     ):
         base = layer * E
         e_idx = tl.arange(0, BLOCK_E)
@@ -144,8 +153,14 @@ def _split_kernel():
         warm = tl.sum((e_idx[:, None] == wids[None, :]).to(tl.int32), axis=1) > 0  # [BLOCK_E]
         cold = (miss & (warm == 0)).to(tl.int32)
         hot = (miss & warm).to(tl.int32)
-        # rank among misses: the cold ones first (fetched first), then the warmed, ascending id within each
-        miss_rank = tl.where(warm, tl.cumsum(hot, axis=0) - hot + tl.sum(cold, axis=0), tl.cumsum(cold, axis=0) - cold)
+        if LFU:  # rank among misses: cold first, then warmed; the most used, then the lowest id, first
+            used = tl.load(uses_ptr + base + e_idx, mask=e_mask, other=0).to(tl.int64)
+            order = (warm.to(tl.int64) * (USE_CAP + 1) + USE_CAP - used) * E + e_idx
+            before = (order[None, :] < order[:, None]) & miss[None, :]  # [BLOCK_E, BLOCK_E]
+            miss_rank = tl.sum(before.to(tl.int32), axis=1)
+        else:  # rank among misses: the cold ones first (fetched first), then the warmed, ascending id within each
+            miss_rank = tl.where(warm, tl.cumsum(hot, axis=0) - hot + tl.sum(cold, axis=0),
+                                 tl.cumsum(cold, axis=0) - cold)
         on_cpu = miss & (miss_rank >= F)
         tl.store(work_ptr + e_idx, on_cpu.to(tl.int32), mask=e_mask)
         tl.debug_barrier()
@@ -157,13 +172,15 @@ def _split_kernel():
             tl.store(gpu_ids_ptr + n_idx, tl.where(valid & (flag == 0), ids, -1), mask=n_idx < N)
             tl.store(cpu_ids_ptr + n_idx, tl.where(valid & (flag != 0), ids, -1), mask=n_idx < N)
         tl.store(misses_ptr + layer, tl.load(misses_ptr + layer) + (M - F))
+        count_uses(uses_ptr, base, present, e_idx, e_mask, USE_CAP)
 
     _KERNEL = _split_misses_kernel
     return _KERNEL
 
 
 def ensure_experts_hybrid(state: CacheState, layer: int, topk_ids: torch.Tensor, f_q16: torch.Tensor,
-                          max_fetch: int = -1, warm_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          max_fetch: int = -1, warm_ids: torch.Tensor | None = None,
+                          lfu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher. topk_ids [T, A] expert ids of ``layer`` (-1 = skip) · f_q16 [1] int32 on the device
     (Q16 fetch fraction) · max_fetch (-1 = no cap, 0 = every miss on the CPU) -> (slot_ids [T, A] int64: the
     GPU slot of each hit/fetched route else -1, cpu_ids [T, A] int64: the expert of each CPU route else
@@ -181,13 +198,14 @@ def ensure_experts_hybrid(state: CacheState, layer: int, topk_ids: torch.Tensor,
     from kernels.cpu_handoff import host_arg
 
     kernel[(1,)](
-        state.slot_of_id, state.misses, state.work,
+        state.slot_of_id, state.misses, state.work, state.uses,
         ids, gpu_ids, cpu_ids, host_arg(kernel, f_q16) if f_q16.device != ids.device else f_q16,
         warm_ids if warm_ids is not None else ids,
         layer, N, E, state.num_slots, max_fetch, warm_ids.numel() if warm_ids is not None else 0,
         BLOCK_N=min(1024, triton.next_power_of_2(N)), BLOCK_E=triton.next_power_of_2(E),
-        BLOCK_K=triton.next_power_of_2(max(warm_ids.numel() if warm_ids is not None else 1, 1)),
+        BLOCK_K=triton.next_power_of_2(max(warm_ids.numel() if warm_ids is not None else 1, 1)), LFU=lfu,
+        USE_CAP=USE_CAP,
     )
     slot_ids = torch.empty((T, A), dtype=torch.int64, device=ids.device)
-    ensure_experts(state, layer, gpu_ids, slot_ids)
+    ensure_experts(state, layer, gpu_ids, slot_ids, lfu=lfu, count_uses=False)
     return slot_ids, cpu_ids

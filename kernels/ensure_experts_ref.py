@@ -14,6 +14,12 @@ import torch
 _PROTECTED = 1 << 46
 # One program holds all S slots in registers; beyond this the kernel would need a blocked LRU scan.
 MAX_SLOTS = 1 << 16
+# lfu (--moe-cache-policy): a slot's priority is uses << USE_SHIFT | (last_use mod 2^USE_SHIFT), below
+# _PROTECTED as long as uses < USE_CAP. A layer's counts are halved when one reaches USE_CAP (old traffic
+# fades); the clock's low 36 bits wrap after ~2^36 calls (about a year of decode at 24 layers x 100 tok/s),
+# which only reorders equal counts once.
+USE_CAP = 1 << 10
+USE_SHIFT = 36
 
 
 @dataclass
@@ -23,7 +29,8 @@ class CacheState:
     slot_of_id [L*E] int32 (-1 = not cached) · id_of_slot [S] int32 (-1 = empty) · last_use [S] int64 ·
     clock [1] int64 (LRU time of the last call) · job_src / job_dst [C] int32 + job_count [1] int32 (the
     copy jobs of the last call) · hits / misses / fetched [L] int64 (accumulated, read on demand) ·
-    work [E] int32 (scratch of the Triton kernel).
+    work [E] int32 (scratch of the Triton kernel) · uses [L*E] int32 (calls that routed to each expert,
+    halved per layer at USE_CAP: the lfu policy's counts).
     """
 
     slot_of_id: torch.Tensor
@@ -37,6 +44,7 @@ class CacheState:
     misses: torch.Tensor
     fetched: torch.Tensor
     work: torch.Tensor
+    uses: torch.Tensor
 
     @staticmethod
     def allocate(num_layers: int, num_experts: int, num_slots: int, device: torch.device | str) -> "CacheState":
@@ -52,7 +60,7 @@ class CacheState:
             last_use=torch.zeros(S, **i64), clock=torch.zeros(1, **i64),
             job_src=torch.zeros(C, **i32), job_dst=torch.zeros(C, **i32), job_count=torch.zeros(1, **i32),
             hits=torch.zeros(L, **i64), misses=torch.zeros(L, **i64), fetched=torch.zeros(L, **i64),
-            work=torch.zeros(E, **i32),
+            work=torch.zeros(E, **i32), uses=torch.zeros(L * E, **i32),
         )
 
     @property
@@ -99,8 +107,18 @@ def num_chunks(state: CacheState, num_routes: int) -> int:
 # ---------------------------------------------------------------------------------------------------
 
 
+def count_uses_(state: CacheState, layer: int, routed: torch.Tensor) -> None:
+    """uses[layer] += routed ([E] bool), then halved if any count reached USE_CAP."""
+    E = state.num_experts
+    counts = state.uses[layer * E: (layer + 1) * E] + routed.int()
+    if int(counts.max()) >= USE_CAP:
+        counts = counts >> 1
+    state.uses[layer * E: (layer + 1) * E] = counts
+
+
 def ensure_experts_reference(state: CacheState, layer: int, topk_ids: torch.Tensor,
-                             slot_ids: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+                             slot_ids: torch.Tensor | None = None, chunk: int = 0, lfu: bool = False,
+                             count_uses: bool = True) -> torch.Tensor:
     """Pure-torch twin of :func:`ensure_experts` (same arguments, same results bit for bit)."""
     check_args(state, layer, topk_ids, chunk)
     E, C = state.num_experts, state.chunk_capacity
@@ -117,7 +135,11 @@ def ensure_experts_reference(state: CacheState, layer: int, topk_ids: torch.Tens
     cur = state.slot_of_id[base: base + E].clone()  # [E] int32
     hit, miss = in_chunk & (cur >= 0), in_chunk & (cur < 0)
     state.last_use[cur[hit].long()] = now
-    prio = torch.where(state.id_of_slot < 0, torch.full_like(state.last_use, -1), state.last_use)  # [S]
+    prio = state.last_use
+    if lfu:  # fewest uses first, then least recent
+        uses = state.uses[state.id_of_slot.clamp(min=0).long()].long()
+        prio = (uses << USE_SHIFT) | (state.last_use & ((1 << USE_SHIFT) - 1))
+    prio = torch.where(state.id_of_slot < 0, torch.full_like(prio, -1), prio)  # [S]
     prio[state.last_use == now] = _PROTECTED
     new_slot = cur.clone()
     miss_experts = torch.nonzero(miss).flatten().tolist()
@@ -148,4 +170,6 @@ def ensure_experts_reference(state: CacheState, layer: int, topk_ids: torch.Tens
     state.fetched[layer] += n_miss
     state.job_count[0] = n_miss
     state.clock[0] = now
+    if count_uses:
+        count_uses_(state, layer, in_chunk)
     return slot_ids

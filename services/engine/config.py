@@ -32,6 +32,13 @@ class DecodeOverlap(str, enum.Enum):
     OFF = "off"
 
 
+class CachePolicy(str, enum.Enum):
+    """Which cached expert a fetched miss replaces (and, in hybrid, which misses are fetched)."""
+
+    LRU = "lru"  # the least recently used slot; hybrid fetches the misses with the lowest ids
+    LFU = "lfu"  # the slot whose expert was routed to least often (then least recently); hybrid fetches the most used
+
+
 class DType(str, enum.Enum):
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
@@ -46,6 +53,10 @@ class EngineConfig:
     moe_cache_size: int | None = field(None, help="GPU expert cache size in slots (one slot = one expert of one layer)")
     moe_cache_rate: float | None = field(None, help="GPU expert cache size as a share of all L*E experts, 0 < r <= 1")
     moe_cache_auto: bool = field(False, help="size the expert cache to fill the VRAM budget after weights and the KV reserve")
+    moe_cache_policy: CachePolicy = field(CachePolicy.LRU, help="offload/cpu/hybrid: which cached expert a fetched miss "
+                                          "replaces: lru (least recently used) or lfu (least often routed to, then "
+                                          "least recent; hybrid then fetches its most used misses and leaves the rest "
+                                          "to the CPU: 4-9 %% fewer misses in benchmarks/sim_expert_cache.py)")
     moe_hybrid_max_fetch: int = field(-1, help="hybrid: most misses fetched per layer and step; -1 = automatic, 0 = all misses on the CPU")
     moe_cpu_threads: int = field(0, help="cpu/hybrid: CPU executor workers, each pinned to a physical core; 0 = one per core "
                                          "minus one for the thread driving the GPU")
@@ -74,6 +85,11 @@ class EngineConfig:
         self.dtype = DType(self.dtype)
         self.moe_backend = MoEBackend(self.moe_backend)
         self.decode_overlap = DecodeOverlap(self.decode_overlap)
+        self.moe_cache_policy = CachePolicy(self.moe_cache_policy)
+        if self.moe_cache_policy is CachePolicy.LFU and self.moe_prefetch > 0:
+            raise ValueError("--moe-cache-policy lfu does not combine with --moe-prefetch: the prefetch copies into "
+                             "the oldest slots while the layer before still reads the newest, which only LRU "
+                             "order guarantees")
         sizing = [self.moe_cache_size is not None, self.moe_cache_rate is not None, bool(self.moe_cache_auto)]
         if sum(sizing) > 1:
             raise ValueError("--moe-cache-size, --moe-cache-rate and --moe-cache-auto are mutually exclusive; give one")

@@ -1,5 +1,5 @@
-"""benchmarks/sim_expert_cache.py: its replay of the kernels' policy (lru + lowest-id) reproduces a real
-offload and hybrid backend's hit and miss counters call for call; lfu and most-used do what they say on a
+"""benchmarks/sim_expert_cache.py: its replay of the engine's policies (lru + lowest-id, lfu + most-used)
+reproduces a real offload and hybrid backend's hit and miss counters call for call; lfu and most-used do what they say on a
 trace made by hand; the CLI traces, keeps and replays a trace and names bad arguments."""
 
 from __future__ import annotations
@@ -15,21 +15,24 @@ from services.engine.models.registry import load_model
 MODEL = "synthetic:qwen3-moe-mini?layers=2"  # E = 128, top-8: misses on every call at a 30 % cache
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("backend, max_fetch", [("offload", -1), ("hybrid", 2)])
-def test_replay_reproduces_the_engines_counters(backend, max_fetch):
+def test_replay_reproduces_the_engines_counters(backend, max_fetch, policy):
+    """The replay of the engine's policy (lru: lru + lowest-id; lfu: lfu + most-used) gives its counters."""
     extra = {"moe_hybrid_max_fetch": max_fetch} if backend == "hybrid" else {}
     lm = load_model(EngineConfig(model=MODEL, device="cpu", dtype="float32", moe_backend=backend, moe_cache_rate=0.3,
-                                 max_seq_len=64, **extra))
+                                 moe_cache_policy=policy, max_seq_len=64, **extra))
     try:
         calls = record_trace(lm, 24, 16)  # the prefill (16 x 8 routes: the offload path) and 24 decode steps
         stats = lm.model.backend.stats()
         counters = stats.get("cache", stats)
         sim = SlotCache(len(lm.banks.layers), lm.banks.layers[0].num_experts, lm.model.backend.cache.state.num_slots,
-                        max_fetch=max_fetch)
+                        max_fetch=max_fetch, evict=policy, fetch="most-used" if policy == "lfu" else "lowest-id")
         for layer, *routes in calls:
             sim.call(layer, routes)
         assert len(calls) == 2 * 25
         assert (sim.hits, sim.misses) == (counters["hits"], counters["misses"])
+        assert sim.uses.tolist() == lm.model.backend.cache.state.uses.tolist()
         assert counters["misses"] > counters["hits"] > 0  # the cache both hit and missed
     finally:
         close = getattr(lm.model.backend, "close", None)

@@ -18,6 +18,8 @@ from services.engine.config import EngineConfig
         ({"gpu_memory_limit": 0}, "--gpu-memory-limit"),
         ({"max_seq_len": 0}, "--max-seq-len"),
         ({"moe_backend": "magic"}, "magic"),
+        ({"moe_cache_policy": "fifo"}, "fifo"),
+        ({"moe_cache_policy": "lfu", "moe_prefetch": 1}, "--moe-cache-policy lfu does not combine with --moe-prefetch"),
     ],
 )
 def test_bad_config_names_the_flag(kwargs, flag):

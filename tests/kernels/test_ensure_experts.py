@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.ensure_experts import CacheState, ensure_experts, ensure_experts_reference, num_chunks
+from kernels.ensure_experts import USE_CAP, CacheState, ensure_experts, ensure_experts_reference, num_chunks
 
 
 def random_state(L: int, E: int, S: int, cached: int, device, gen: torch.Generator) -> CacheState:
@@ -20,6 +20,8 @@ def random_state(L: int, E: int, S: int, cached: int, device, gen: torch.Generat
     st.last_use[:] = torch.randint(0, 6, (S,), generator=gen)  # few values: many ties; empty slots too
     st.clock[0] = 6
     st.hits[:] = torch.randint(0, 100, (L,), generator=gen)
+    st.uses[:] = torch.randint(USE_CAP - 8, USE_CAP, (L * E,), generator=gen)  # ties, and halving near the cap
+    st.uses[torch.rand(L * E, generator=gen) < 0.5] = 1
     return CacheState(**{f.name: getattr(st, f.name).to(device) for f in dataclasses.fields(st)})
 
 
@@ -54,8 +56,9 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("lfu", [False, True], ids=["lru", "lfu"])
 @pytest.mark.parametrize("L,E,S,T,A,cached", CASES)
-def test_kernel_matches_reference(L, E, S, T, A, cached, device):
+def test_kernel_matches_reference(L, E, S, T, A, cached, lfu, device):
     gen = torch.Generator().manual_seed(L * 1000 + E * 10 + S)
     state = random_state(L, E, S, cached, device, gen)
     ref = state.clone()
@@ -64,8 +67,8 @@ def test_kernel_matches_reference(L, E, S, T, A, cached, device):
         ids = torch.randint(-1, E, (T, A), generator=gen)  # -1 = a route computed elsewhere
         ids = ids.to(device=device, dtype=torch.int32 if step % 2 else torch.int64)
         for chunk in range(num_chunks(state, T * A)):
-            got = ensure_experts(state, layer, ids, chunk=chunk)
-            want = ensure_experts_reference(ref, layer, ids, chunk=chunk)
+            got = ensure_experts(state, layer, ids, chunk=chunk, lfu=lfu)
+            want = ensure_experts_reference(ref, layer, ids, chunk=chunk, lfu=lfu)
             assert torch.equal(got.cpu(), want.cpu()), f"step {step} chunk {chunk}"
             assert_same(state, ref)
     assert_consistent(ref)
@@ -87,9 +90,9 @@ def test_all_hit_all_miss_and_repeated_ids(device):
     assert got.cpu().tolist() == [[slot3, slot3], [slot5, slot3], [slot5, slot5]]
 
 
-def run_both(state, ref, layer, ids):
-    got = ensure_experts(state, layer, ids)
-    want = ensure_experts_reference(ref, layer, ids)
+def run_both(state, ref, layer, ids, lfu=False):
+    got = ensure_experts(state, layer, ids, lfu=lfu)
+    want = ensure_experts_reference(ref, layer, ids, lfu=lfu)
     assert torch.equal(got.cpu(), want.cpu())
     assert_same(state, ref)
     return want
@@ -107,6 +110,29 @@ def test_lru_order_and_empty_slots_first(device):
     run_both(state, ref, 0, col(3))  # evicts expert 1 (slot 1)
     assert ref.slot_of_id.tolist() == [0, -1, 2, 1, -1, -1]
     assert ref.job_src[: int(ref.job_count[0])].tolist() == [3] and ref.job_dst[:1].tolist() == [1]
+
+
+@pytest.mark.parametrize("lfu, evicted", [(False, 0), (True, 1)])
+def test_lfu_evicts_the_least_used_then_the_oldest(lfu, evicted, device):
+    """Expert 0 is routed to three times, 1 and 2 once each (2 last): a fourth expert evicts 0 under lru
+    (the least recent) and 1 under lfu (fewest uses, then the older of 1 and 2)."""
+    E, S = 6, 3
+    state = CacheState.allocate(1, E, S, device)
+    ref = state.clone()
+    for e in (0, 0, 0, 1, 2, 3):
+        run_both(state, ref, 0, torch.tensor([[e]], device=device), lfu)
+    assert int(ref.slot_of_id[evicted]) == -1
+    assert sorted(e for e in range(4) if int(ref.slot_of_id[e]) >= 0) == sorted({0, 1, 2, 3} - {evicted})
+    assert ref.uses.tolist() == [3, 1, 1, 1, 0, 0]  # one use per call that routed to the expert
+
+
+def test_use_counts_halve_at_the_cap(device):
+    """A layer whose count reaches USE_CAP has all its counts halved (old traffic fades); other layers not."""
+    state = CacheState.allocate(2, 4, 4, device)
+    state.uses[:] = torch.tensor([USE_CAP - 1, 10, 3, 0, USE_CAP - 1, 7, 7, 7], dtype=torch.int32, device=device)
+    ref = state.clone()
+    run_both(state, ref, 0, torch.tensor([[0, 2]], device=device))
+    assert ref.uses.tolist() == [USE_CAP // 2, 5, 2, 0, USE_CAP - 1, 7, 7, 7]
 
 
 def test_step_experts_are_never_evicted(device):

@@ -34,9 +34,10 @@ def routes(T, A, E, gen, device, drop=0.2):
     return ids.to(device)
 
 
+@pytest.mark.parametrize("lfu", [False, True], ids=["lru", "lfu"])
 @pytest.mark.parametrize("max_fetch", [-1, 0, 1, 3])
 @pytest.mark.parametrize("L,E,S,T,A,cached", CASES)
-def test_kernel_matches_reference(L, E, S, T, A, cached, max_fetch, device):
+def test_kernel_matches_reference(L, E, S, T, A, cached, max_fetch, lfu, device):
     gen = torch.Generator().manual_seed(L * 1000 + E * 10 + S + max_fetch)
     state = random_state(L, E, S, cached, device, gen)
     ref = state.clone()
@@ -46,8 +47,8 @@ def test_kernel_matches_reference(L, E, S, T, A, cached, max_fetch, device):
         if step % 2:
             ids = ids.int()
         f = q16(FRACTIONS[(step + E) % len(FRACTIONS)], device)
-        got_slots, got_cpu = ensure_experts_hybrid(state, layer, ids, f, max_fetch)
-        want_slots, want_cpu = ensure_experts_hybrid_reference(ref, layer, ids, f, max_fetch)
+        got_slots, got_cpu = ensure_experts_hybrid(state, layer, ids, f, max_fetch, lfu=lfu)
+        want_slots, want_cpu = ensure_experts_hybrid_reference(ref, layer, ids, f, max_fetch, lfu=lfu)
         assert torch.equal(got_slots.cpu(), want_slots.cpu()), f"step {step} slot_ids"
         assert torch.equal(got_cpu.cpu(), want_cpu.cpu()), f"step {step} cpu_ids"
         assert_same(state, ref)
@@ -150,3 +151,24 @@ def test_warmed_misses_stay_on_the_cpu(f_q16, device):
     cpu = want[1].cpu()
     assert sorted(set(cpu[cpu >= 0].tolist())) == sorted(order[F:])
     assert ref.job_src[: int(ref.job_count[0])].cpu().tolist() == [layer * E + e for e in sorted(order[:F])]
+
+
+@pytest.mark.parametrize("warmed", [False, True])
+def test_lfu_fetches_the_most_used_misses(warmed, device):
+    """lfu: of a step's misses the most used are fetched (ties: lowest id), the rest go to the CPU; a warmed
+    miss still stays on the CPU whatever its count; every present expert counts one use; kernel ==
+    reference."""
+    E, S = 8, 8
+    state = CacheState.allocate(1, E, S, device)
+    state.uses[:] = torch.tensor([0, 5, 2, 9, 5, 0, 0, 0], dtype=torch.int32, device=device)
+    ref = state.clone()
+    ids = torch.tensor([[0, 1, 2, 3, 4]], device=device)  # all miss; uses 0, 5, 2, 9, 5
+    warm = torch.tensor([3], device=device) if warmed else None
+    got = ensure_experts_hybrid(state, 0, ids, q16(Q16, device), max_fetch=2, warm_ids=warm, lfu=True)
+    want = ensure_experts_hybrid_reference(ref, 0, ids, q16(Q16, device), max_fetch=2, warm_ids=warm, lfu=True)
+    assert all(torch.equal(g.cpu(), w.cpu()) for g, w in zip(got, want))
+    assert_same(state, ref)
+    fetched = sorted(e for e in range(E) if int(ref.slot_of_id[e]) >= 0)
+    assert fetched == ([1, 4] if warmed else [1, 3])  # 3 (9 uses) unless warmed, then 1 and 4 (5, lower id first)
+    assert sorted(e for e in want[1].flatten().tolist() if e >= 0) == sorted({0, 1, 2, 3, 4} - set(fetched))
+    assert ref.uses.tolist() == [1, 6, 3, 10, 6, 0, 0, 0]

@@ -39,7 +39,8 @@ class ExpertCache:
     on the CPU under TRITON_INTERPRET."""
 
     def __init__(self, banks: ExpertBanks, num_slots: int, device: torch.device,
-                 use_triton: bool | None = None) -> None:
+                 use_triton: bool | None = None, lfu: bool = False) -> None:
+        """lfu: evict the least used expert first (--moe-cache-policy lfu; kernels/ensure_experts.py)."""
         # Imported here, not at module level: Triton reads TRITON_INTERPRET when a kernel is defined.
         from kernels.gather_copy import CopyPlan
 
@@ -63,6 +64,7 @@ class ExpertCache:
         self.plan = CopyPlan(host_layers, self.slot_banks)
         self.copy_mode = _copy_mode()
         self.use_triton = self.device.type == "cuda" if use_triton is None else use_triton
+        self.lfu = lfu
         self.expert_nbytes = self.plan.expert_nbytes()
 
     @property
@@ -84,8 +86,8 @@ class ExpertCache:
         if self.use_triton:
             from kernels.ensure_experts import ensure_experts
 
-            return ensure_experts(self.state, layer, topk_ids, out, chunk)
-        return ensure_experts_reference(self.state, layer, topk_ids, out, chunk)
+            return ensure_experts(self.state, layer, topk_ids, out, chunk, lfu=self.lfu)
+        return ensure_experts_reference(self.state, layer, topk_ids, out, chunk, lfu=self.lfu)
 
     def copy_missing(self, max_jobs: int | None = None, state: CacheState | None = None) -> None:
         """Copy the jobs of the last ``ensure`` for every bank (one fused launch on CUDA). ``max_jobs``: a
@@ -107,6 +109,7 @@ class ExpertCache:
             "share_of_experts": self.num_slots / (self.num_layers * self.num_experts),
             "expert_bytes": self.expert_nbytes,
             "copy_mode": self.copy_mode.value,
+            "policy": "lfu" if self.lfu else "lru",
             "hits": sum(hits),
             "misses": sum(misses),
             "fetched": sum(fetched),

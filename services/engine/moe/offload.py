@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from services.common.logging import get_logger
-from services.engine.config import MoEBackend
+from services.engine.config import CachePolicy, MoEBackend
 from services.engine.moe.backends import BackendContext, register_backend
 from services.engine.moe.banks import ExpertFormat
 from services.engine.moe.cache import ExpertCache
@@ -52,7 +52,8 @@ class OffloadBackend:
                                           kv_reserve_bytes(ctx)).slots
         elif num_slots < geom.min_slots:
             raise ValueError(f"offload cache of {num_slots} slots is below the minimum of {geom.min_slots}")
-        self.cache = ExpertCache(banks, num_slots, ctx.device, use_triton)
+        self.cache = ExpertCache(banks, num_slots, ctx.device, use_triton,
+                                 lfu=ctx.config.moe_cache_policy is CachePolicy.LFU)
         self.prefetch = make_prefetch(ctx, self.cache)
 
     def prefetching(self, topk_ids: torch.Tensor) -> NextLayerPrefetch | None:

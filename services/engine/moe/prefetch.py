@@ -154,7 +154,9 @@ class NextLayerPrefetch:
             from kernels.ensure_experts_ref import ensure_experts_reference as ensure
         picked = pick_next_layer(self.predictors, layer, hidden, state.slot_of_id, self.top_k, self.per_token,
                                  cache.use_triton)  # [T, P], -1 = none
-        ensure(state, target, picked, torch.empty(picked.shape, dtype=torch.int32, device=picked.device))
+        # a reservation, not a routing: no use counted (config.py keeps --moe-cache-policy lfu away from here)
+        ensure(state, target, picked, torch.empty(picked.shape, dtype=torch.int32, device=picked.device),
+               count_uses=False)
         self._reserved = (target, picked.numel())
 
     def copy_ahead(self) -> None:

@@ -46,8 +46,9 @@ class RouteCounter:
         return self.inner.stats()
 
 
-def run(lm, hf_dir, mode, slots, prompt=PROMPT, max_fetch=-1, use_triton=None):
-    cfg = EngineConfig(model=str(hf_dir), moe_backend=mode.value, moe_hybrid_max_fetch=max_fetch)
+def run(lm, hf_dir, mode, slots, prompt=PROMPT, max_fetch=-1, use_triton=None, policy="lru"):
+    cfg = EngineConfig(model=str(hf_dir), moe_backend=mode.value, moe_hybrid_max_fetch=max_fetch,
+                       moe_cache_policy=policy)
     ctx = BackendContext(lm.banks, cfg, lm.device, lm.dtype, lm.spec.top_k, 0)
     backend = HybridBackend(ctx, mode, num_slots=slots, use_triton=use_triton, count_routes=True)
     counter = RouteCounter(backend)
@@ -55,11 +56,12 @@ def run(lm, hf_dir, mode, slots, prompt=PROMPT, max_fetch=-1, use_triton=None):
     return greedy_generate(lm, prompt, NEW_TOKENS), backend, counter
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("mode", [MoEBackend.CPU, MoEBackend.HYBRID])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_equals_resident(arch, mode, hf_checkpoints, loaded, resident_tokens):
+def test_greedy_equals_resident(arch, mode, policy, hf_checkpoints, loaded, resident_tokens):
     lm = loaded[arch]
-    tokens, backend, counter = run(lm, hf_checkpoints[arch].dir, mode, slots=lm.spec.top_k)
+    tokens, backend, counter = run(lm, hf_checkpoints[arch].dir, mode, slots=lm.spec.top_k, policy=policy)
     assert tokens == resident_tokens[arch]["long"]
     # every route computed exactly once: GPU routes + CPU routes (counted by the C++ executor) = all routes
     assert backend.routes["gpu"] + backend.routes["cpu"] == counter.routes

@@ -50,20 +50,23 @@ def sizes(lm) -> dict[str, int]:
     return {"minimum": A, "E": E, "LE/3": math.ceil(L * E / 3)}
 
 
-def run_offload(lm, hf_dir, slots, use_triton=None, prompt=PROMPT, n=NEW_TOKENS):
-    backend = OffloadBackend(BackendContext(lm.banks, EngineConfig(model=str(hf_dir), moe_backend="offload"),
-                                            lm.device, lm.dtype, lm.spec.top_k, 0), num_slots=slots, use_triton=use_triton)
+def run_offload(lm, hf_dir, slots, use_triton=None, prompt=PROMPT, n=NEW_TOKENS, policy="lru"):
+    cfg = EngineConfig(model=str(hf_dir), moe_backend="offload", moe_cache_policy=policy)
+    backend = OffloadBackend(BackendContext(lm.banks, cfg, lm.device, lm.dtype, lm.spec.top_k, 0), num_slots=slots,
+                             use_triton=use_triton)
     counter = RouteCounter(backend)
     lm.model.set_backend(counter)
     return greedy_generate(lm, prompt, n), backend, counter
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("size", ["minimum", "E", "LE/3"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_offload_greedy_equals_resident(arch, size, hf_checkpoints, loaded, resident_tokens):
+def test_offload_greedy_equals_resident(arch, size, policy, hf_checkpoints, loaded, resident_tokens):
     lm = loaded[arch]
     slots = sizes(lm)[size]
-    tokens, backend, counter = run_offload(lm, hf_checkpoints[arch].dir, slots)
+    tokens, backend, counter = run_offload(lm, hf_checkpoints[arch].dir, slots, policy=policy)
+    assert backend.cache.lfu == (policy == "lfu") and backend.stats()["cache"]["policy"] == policy
     assert tokens == resident_tokens[arch]
     s = backend.stats()["cache"]
     assert s["hits"] + s["misses"] == counter.unique
