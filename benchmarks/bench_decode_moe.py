@@ -135,6 +135,7 @@ def engine_summary(stats: dict) -> dict:
         "miss_rate": misses / (hits + misses) if hits is not None and misses is not None and hits + misses else None,
         "fetch_share": fetched / (fetched + cpu) if fetched is not None and cpu is not None and fetched + cpu else None,
         "fetch_fraction": experts.get("fetch_fraction"),
+        "cache_policy": experts.get("policy"),  # --moe-cache-policy (None: resident, no cache)
         "prefetched": experts.get("prefetched"),  # --moe-prefetch: experts copied ahead (not counted as misses)
         "vram_gib": stats.get("vram_gib"),
         "split": experts.get("split"),  # hybrid/cpu: the controller's measured rates, c_sync, target
