@@ -17,6 +17,7 @@ host as the server does:
     ...+tT       cpu/hybrid with T CPU executor workers (--moe-cpu-threads T)
     ...+wW       cpu/hybrid with the next layer's W likeliest uncached experts per token read into the
                  CPU's caches between jobs, and kept for the CPU by the split (--moe-cpu-warm W)
+    ...+lfu      any of them with the LFU cache policy (--moe-cache-policy lfu; not with +pP)
 
 Per config: ms/token (mean, p50, p99), misses, fetched and CPU experts per layer, and for hybrid/cpu the
 per-layer GPU side (signal -> wait entry: copy of the fetched experts + GEMM of the resident ones), how
@@ -58,28 +59,35 @@ class Config:
     prefetch: int = 0  # --moe-prefetch
     cpu_threads: int = 0  # --moe-cpu-threads (0: the engine's default)
     warm: int = 0  # --moe-cpu-warm
+    lfu: bool = False  # --moe-cache-policy lfu
 
 
 def parse_config(config: str) -> Config:
-    """'KIND[:N][+pP][+tT][+wW]' (KIND offload | cpu | hybrid; :N hybrid's fixed cap; +pP --moe-prefetch P;
-    +tT --moe-cpu-threads T; +wW --moe-cpu-warm W, cpu/hybrid only) -> Config; SystemExit naming a bad one."""
+    """'KIND[:N][+pP][+tT][+wW][+lfu]' (KIND offload | cpu | hybrid; :N hybrid's fixed cap; +pP --moe-prefetch
+    P; +tT --moe-cpu-threads T; +wW --moe-cpu-warm W, cpu/hybrid only; +lfu --moe-cache-policy lfu, not with
+    +pP) -> Config; SystemExit naming a bad one."""
     head, *options = config.split("+")
     kind, _, cap = head.partition(":")
+    lfu = "lfu" in options
+    options = [o for o in options if o != "lfu"]
     flags = {o[:1]: o[1:] for o in options}
     bad = (kind not in ("offload", "cpu", "hybrid") or (cap and (kind != "hybrid" or not cap.isdigit()))
            or len(flags) != len(options) or any(k not in "ptw" or not v.isdigit() for k, v in flags.items())
-           or (kind == "offload" and "w" in flags))
+           or (kind == "offload" and "w" in flags) or (lfu and "p" in flags))
     if bad:
         raise SystemExit(f"bench_hybrid_split: --configs: unknown config {config!r} "
-                         "(offload | cpu | hybrid | hybrid:N, then optional +pP, +tT and, not for offload, +wW)")
-    return Config(kind, int(cap) if cap else -1, int(flags.get("p", 0)), int(flags.get("t", 0)), int(flags.get("w", 0)))
+                         "(offload | cpu | hybrid | hybrid:N, then optional +pP, +tT, +wW (not for offload) "
+                         "and +lfu (not with +pP))")
+    return Config(kind, int(cap) if cap else -1, int(flags.get("p", 0)), int(flags.get("t", 0)), int(flags.get("w", 0)),
+                  lfu)
 
 
 def build(lm, config: str, num_slots: int):
     """A backend for ``config`` over the loaded banks with num_slots slots."""
     c = parse_config(config)
     cfg = EngineConfig(model=lm.model_id, device=lm.device.type, moe_backend=c.kind, moe_hybrid_max_fetch=c.max_fetch,
-                       moe_prefetch=c.prefetch, moe_cpu_threads=c.cpu_threads, moe_cpu_warm=c.warm)
+                       moe_prefetch=c.prefetch, moe_cpu_threads=c.cpu_threads, moe_cpu_warm=c.warm,
+                       moe_cache_policy="lfu" if c.lfu else "lru")
     ctx = BackendContext(lm.banks, cfg, lm.device, lm.dtype, lm.spec.top_k, lm.model.non_expert_nbytes(),
                          next_layer_predictors=next_layer_predictors(lm.model) if c.prefetch or c.warm else None)
     if c.kind == "offload":
@@ -152,7 +160,7 @@ def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict
                "ms_p50": 1e3 * statistics.median(times), "ms_p99": 1e3 * sorted(times)[int(0.99 * (len(times) - 1))],
                "misses_per_layer": misses / layers, "fetched_per_layer": fetched / layers,
                "prefetched_per_layer": ahead / layers,
-               "miss_rate": misses / (layers * lm.spec.top_k)}
+               "miss_rate": misses / (layers * lm.spec.top_k), "cache_policy": "lfu" if backend.cache.lfu else "lru"}
         row["tok_s"] = 1e3 / row["ms_per_token"]
         if stamps is not None:
             poll = handoff.poll_stats()

@@ -133,10 +133,11 @@ def test_registered_and_built_by_config(hf_checkpoints, loaded):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("graph_mode", [False, True], ids=["eager-handoff", "graph-handoff"])
 @pytest.mark.parametrize("mode", [MoEBackend.CPU, MoEBackend.HYBRID])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
-def test_cuda_greedy_equals_resident(arch, mode, graph_mode, hf_checkpoints):
+def test_cuda_greedy_equals_resident(arch, mode, graph_mode, policy, hf_checkpoints):
     """The real data path: Triton ensure kernels, pinned handoff (stream-written flags), overlap."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -145,7 +146,7 @@ def test_cuda_greedy_equals_resident(arch, mode, graph_mode, hf_checkpoints):
     lm.model.set_backend(build_backend(lm, EngineConfig(model=d, device="cuda")))
     want = greedy_generate(lm, PROMPT, NEW_TOKENS)
     pin_banks(lm.banks)
-    cfg = EngineConfig(model=d, device="cuda", moe_backend=mode.value)
+    cfg = EngineConfig(model=d, device="cuda", moe_backend=mode.value, moe_cache_policy=policy)
     backend = HybridBackend(BackendContext(lm.banks, cfg, lm.device, lm.dtype, lm.spec.top_k, 0), mode,
                             num_slots=lm.spec.top_k, count_routes=True, graph_mode=graph_mode)
     counter = RouteCounter(backend)

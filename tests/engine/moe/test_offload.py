@@ -109,8 +109,9 @@ def test_offload_sweep_sizes_and_long_generation(arch, hf_checkpoints, loaded):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_offload_on_cuda_equals_resident(arch, hf_checkpoints):
+def test_offload_on_cuda_equals_resident(arch, policy, hf_checkpoints):
     """Triton ensure + fused copy from pinned banks, fp32 on the GPU, every cache size."""
     from services.engine.models.registry import pin_banks
 
@@ -120,7 +121,7 @@ def test_offload_on_cuda_equals_resident(arch, hf_checkpoints):
     want = greedy_generate(lm, PROMPT, NEW_TOKENS)
     pin_banks(lm.banks)
     for size, slots in sizes(lm).items():
-        tokens, backend, counter = run_offload(lm, hf_checkpoints[arch].dir, slots)
+        tokens, backend, counter = run_offload(lm, hf_checkpoints[arch].dir, slots, policy=policy)
         assert backend.cache.use_triton
         assert tokens == want, size
         s = backend.stats()["cache"]
