@@ -10,7 +10,9 @@ cache, as the kernels run it and with other eviction and fetch orders.
      - evict ``lru``: least recently used slot, lowest index first (what kernels/ensure_experts.py does),
        or ``lfu``: the slot whose expert was routed to least often so far, then least recently used;
      - fetch ``lowest-id``: hybrid fetches the misses with the lowest expert ids (the kernels), or
-       ``most-used``: the misses routed to most often so far.
+       ``most-used``: the misses routed to most often so far;
+     - and, as the bound no policy can beat, evict ``belady``: the slot whose expert is routed to again
+       last (or never), read from the trace's future.
    ``lru`` + ``lowest-id`` replays the engine's own counters call for call, and ``lfu`` + ``most-used`` those
    of ``--moe-cache-policy lfu`` (tests/benchmarks/test_sim_expert_cache.py checks both against a real
    offload and hybrid backend).
@@ -40,6 +42,9 @@ from kernels.ensure_experts_ref import USE_CAP, USE_SHIFT
 Q16 = 1 << 16
 DECODE_MAX_ROUTES = 64  # services/engine/moe/hybrid.py: above, a call takes the offload path (every miss fetched)
 _PROTECTED = 1 << 62  # a slot hit or taken in this call: never the victim
+_NEVER = 1 << 61  # belady: the next use of an expert not routed to again
+EVICT = ("lru", "lfu", "belady")
+FETCH = ("lowest-id", "most-used")
 
 
 def record_trace(lm, tokens: int, prompt_len: int, seed: int = 0) -> list[list[list[int]]]:
@@ -82,7 +87,7 @@ class SlotCache:
 
     def __init__(self, num_layers: int, num_experts: int, num_slots: int, fetch_fraction: float = 1.0,
                  max_fetch: int = -1, evict: str = "lru", fetch: str = "lowest-id"):
-        if evict not in ("lru", "lfu") or fetch not in ("lowest-id", "most-used"):
+        if evict not in EVICT or fetch not in FETCH:
             raise ValueError(f"unknown policy: evict {evict!r}, fetch {fetch!r}")
         self.E, self.S = num_experts, num_slots
         self.q16, self.max_fetch, self.evict, self.fetch = round(fetch_fraction * Q16), max_fetch, evict, fetch
@@ -90,6 +95,7 @@ class SlotCache:
         self.id_of_slot = np.full(num_slots, -1, dtype=np.int64)
         self.last_use = np.zeros(num_slots, dtype=np.int64)
         self.uses = np.zeros(num_layers * num_experts, dtype=np.int64)  # routed-to count per expert (the kernels')
+        self.next_use = np.full(num_layers * num_experts, _NEVER, dtype=np.int64)  # belady: the call routing it next
         self.clock = 0
         self.hits = self.misses = 0
 
@@ -101,10 +107,13 @@ class SlotCache:
         F = min(F, M, self.S - n_hit)
         return min(F, self.max_fetch) if self.max_fetch >= 0 else F
 
-    def call(self, layer: int, routes: list[int]) -> None:
-        """One backend call of ``layer`` routing to ``routes`` (expert ids, -1 skipped)."""
+    def call(self, layer: int, routes: list[int], next_use: dict[int, int] | None = None) -> None:
+        """One backend call of ``layer`` routing to ``routes`` (expert ids, -1 skipped); belady needs
+        ``next_use``: for each expert routed here, the index of the next call that routes to it."""
         base = layer * self.E
         present = sorted({e for e in routes if 0 <= e < self.E})
+        for e, when in (next_use or {}).items():
+            self.next_use[base + e] = when
         if len(routes) > DECODE_MAX_ROUTES or (self.q16 >= Q16 and self.max_fetch < 0):
             chunk = min(self.E, self.S)  # offload (or a prefill): every miss, chunk by chunk of present experts
             for start in range(0, len(present), chunk):
@@ -141,6 +150,8 @@ class SlotCache:
         if self.evict == "lfu":
             key = np.where(self.id_of_slot < 0, -1, (self.uses[self.id_of_slot] << USE_SHIFT)
                            | (self.last_use & ((1 << USE_SHIFT) - 1)))
+        elif self.evict == "belady":  # the farthest next use first (empty slots before all)
+            key = np.where(self.id_of_slot < 0, -_NEVER - 1, -self.next_use[self.id_of_slot])
         key[self.last_use == now] = _PROTECTED
         for e in fetch:
             victim = int(np.argmin(key))  # the lowest index among the smallest keys
@@ -155,18 +166,31 @@ class SlotCache:
         return self.misses / max(1, self.hits + self.misses)
 
 
+def next_uses(calls: list[list[int]]) -> list[dict[int, int]]:
+    """Per call, for each expert it routes to, the index of the next call of that layer that does again."""
+    ahead: dict[tuple[int, int], int] = {}
+    out: list[dict[int, int]] = [{}] * len(calls)
+    for i in range(len(calls) - 1, -1, -1):
+        layer, *routes = calls[i]
+        present = {e for e in routes if e >= 0}
+        out[i] = {e: ahead.get((layer, e), _NEVER) for e in present}
+        ahead.update({(layer, e): i for e in present})
+    return out
+
+
 def replay(trace: dict, cache_rate: float, fetch_fraction: float, evict: str, fetch: str, warmup: int,
            max_fetch: int = -1) -> dict:
     """Miss rate of one policy over the trace's decode calls after ``warmup`` tokens."""
     L, E = trace["layers"], trace["experts"]
     cache = SlotCache(L, E, math.ceil(cache_rate * L * E), fetch_fraction, max_fetch, evict, fetch)
     calls = trace["calls"]
+    future = next_uses(calls) if evict == "belady" else [None] * len(calls)
     first_measured = trace["prefill_calls"] + warmup * L
     hits = misses = 0
     for i, (layer, *routes) in enumerate(calls):
         if i == first_measured:
             hits, misses = cache.hits, cache.misses
-        cache.call(layer, routes)
+        cache.call(layer, routes, future[i])
     measured = (cache.hits - hits) + (cache.misses - misses)
     return {"fetch_fraction": fetch_fraction, "evict": evict, "fetch": fetch, "slots": cache.S,
             "miss_rate": (cache.misses - misses) / max(1, measured)}
@@ -213,15 +237,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup >= trace["tokens"]:
         p.error(f"--warmup {args.warmup} leaves none of the trace's {trace['tokens']} tokens to measure")
     rows = [replay(trace, args.cache_rate, f, evict, fetch, args.warmup)
-            for f in fractions for evict in ("lru", "lfu") for fetch in ("lowest-id", "most-used")
-            if f < 1 or fetch == "lowest-id"]  # offload fetches every miss: no order to choose
+            for f in fractions for evict in EVICT for fetch in FETCH
+            if (f < 1 and evict != "belady") or fetch == "lowest-id"]  # offload: no order to choose
     print(f"{trace['model']}: {trace['tokens']} decode tokens, {rows[0]['slots']} slots "
           f"({args.cache_rate:.0%} of {trace['layers']} x {trace['experts']} experts), measured after {args.warmup}")
-    print(f"{'f':>5} | {'evict':>5} | {'fetch':>9} | miss rate | vs the kernels' lru + lowest-id")
+    print(f"{'f':>5} | {'evict':>6} | {'fetch':>9} | miss rate | vs the kernels' lru + lowest-id "
+          "(belady: the bound, it reads the future)")
     for r in rows:
         base = next(b for b in rows if b["fetch_fraction"] == r["fetch_fraction"] and b["evict"] == "lru"
                     and b["fetch"] == "lowest-id")
-        print(f"{r['fetch_fraction']:5.2f} | {r['evict']:>5} | {r['fetch']:>9} | {r['miss_rate']:9.3f} | "
+        print(f"{r['fetch_fraction']:5.2f} | {r['evict']:>6} | {r['fetch']:>9} | {r['miss_rate']:9.3f} | "
               f"{r['miss_rate'] / base['miss_rate'] - 1:+.1%}")
     if args.json:
         args.json.write_text(json.dumps({"model": trace["model"], "tokens": trace["tokens"], "rows": rows}, indent=2))

@@ -58,15 +58,31 @@ def test_lfu_keeps_the_expert_used_most_and_most_used_fetches_it():
         assert cache.id_of_slot.tolist() == [kept]
 
 
+def test_belady_evicts_the_expert_needed_last():
+    """Two slots hold 0 and 1; 2 arrives; 1 is routed to again before 0: belady evicts 0 where lru evicts 1
+    (the older), so the next call's 1 hits under belady only."""
+    from benchmarks.sim_expert_cache import next_uses
+
+    calls = [[0, 1], [0, 0], [0, 2], [0, 1], [0, 0]]  # layer 0: 1, 0, 2, then 1 and 0 again
+    for evict, hits in (("lru", 0), ("belady", 1)):
+        cache = SlotCache(1, 4, 2, evict=evict)
+        for (layer, *routes), ahead in zip(calls, next_uses(calls)):
+            cache.call(layer, routes, ahead if evict == "belady" else None)
+        assert cache.hits == hits, evict
+
+
 def test_cli_traces_keeps_and_replays(tmp_path, capsys):
     trace, out = tmp_path / "trace.json", tmp_path / "rows.json"
     args = ["--model", MODEL, "--tokens", "12", "--prompt-len", "8", "--warmup", "4", "--fetch-fraction", "1,0.3"]
     assert main(args + ["--trace-out", str(trace), "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["fetch_fraction"], r["evict"], r["fetch"]) for r in rows] == [
-        (1.0, "lru", "lowest-id"), (1.0, "lfu", "lowest-id"),
-        (0.3, "lru", "lowest-id"), (0.3, "lru", "most-used"), (0.3, "lfu", "lowest-id"), (0.3, "lfu", "most-used")]
+        (1.0, "lru", "lowest-id"), (1.0, "lfu", "lowest-id"), (1.0, "belady", "lowest-id"),
+        (0.3, "lru", "lowest-id"), (0.3, "lru", "most-used"), (0.3, "lfu", "lowest-id"), (0.3, "lfu", "most-used"),
+        (0.3, "belady", "lowest-id")]
     assert all(0 < r["miss_rate"] <= 1 for r in rows)
+    by = {(r["fetch_fraction"], r["evict"], r["fetch"]): r["miss_rate"] for r in rows}
+    assert by[(1.0, "belady", "lowest-id")] <= min(by[(1.0, "lru", "lowest-id")], by[(1.0, "lfu", "lowest-id")])
     assert "lfu" in capsys.readouterr().out
     assert main(["--trace", str(trace), "--warmup", "4", "--fetch-fraction", "1,0.3", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["rows"] == rows  # the kept trace replays to the same numbers
