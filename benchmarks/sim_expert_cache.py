@@ -3,7 +3,8 @@ cache, as the kernels run it and with other eviction and fetch orders.
 
 1. trace: decode ``--tokens`` tokens of ``--model`` on the CPU (sampled at T 0.7 / top-p 0.8 / top-k 20, a
    random prompt of ``--prompt-len`` tokens) and record the experts every MoE layer routes to, per call;
-   ``--trace-out`` keeps it, ``--trace`` replays a kept one instead.
+   ``--requests N`` traces N such requests (other prompts) back to back through the one cache, as a
+   server sees them, and measures the last; ``--trace-out`` keeps it, ``--trace`` replays a kept one.
 2. replay: one pool of S = ceil(r·L·E) slots shared by all layers (services/engine/moe/cache.py), per call
    the layer's hits, then F of its M misses fetched into slots (offload: F = M; hybrid: F from the fetch
    fraction f, the rule of kernels/ensure_experts_hybrid.py), the others computed on the CPU. Policies:
@@ -20,7 +21,7 @@ cache, as the kernels run it and with other eviction and fetch orders.
     python -m benchmarks.sim_expert_cache --model 'synthetic:qwen3-moe-mini?layers=24' --tokens 512 \
         --cache-rate 0.33 --fetch-fraction 1,0.28 [--trace-out trace.json]
 
-Miss rates are over the decode tokens after ``--warmup`` (the cache's start fills it). Every miss is an
+Miss rates are over the last request's decode tokens after ``--warmup`` of them (the cache's start fills it). Every miss is an
 expert's bytes read from host DRAM (fetched or computed in place), so on a host where those reads bound
 decode (hybrid, offload), tok/s follows 1 / miss rate.
 """
@@ -185,7 +186,7 @@ def replay(trace: dict, cache_rate: float, fetch_fraction: float, evict: str, fe
     cache = SlotCache(L, E, math.ceil(cache_rate * L * E), fetch_fraction, max_fetch, evict, fetch)
     calls = trace["calls"]
     future = next_uses(calls) if evict == "belady" else [None] * len(calls)
-    first_measured = trace["prefill_calls"] + warmup * L
+    first_measured = trace["last_request_start"] + trace["prefill_calls"] + warmup * L
     hits = misses = 0
     for i, (layer, *routes) in enumerate(calls):
         if i == first_measured:
@@ -204,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", help="dtype of the traced model (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=512, help="decode tokens traced (default: %(default)s)")
     p.add_argument("--prompt-len", type=int, default=132, help="prompt tokens before them (default: %(default)s)")
+    p.add_argument("--requests", type=int, default=1,
+                   help="requests traced back to back, each with its own random prompt; the last is measured "
+                        "(default: %(default)s)")
     p.add_argument("--warmup", type=int, default=384,
                    help="decode tokens replayed before the miss rate is counted (default: %(default)s, as "
                         "bench_decode_moe's warm-up request)")
@@ -218,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         fractions = [float(f) for f in args.fetch_fraction.split(",")]
     except ValueError:
         p.error(f"--fetch-fraction: expected a comma list of numbers, got {args.fetch_fraction!r}")
+    if args.requests < 1:
+        p.error(f"--requests must be at least 1, got {args.requests}")
     if not all(0 <= f <= 1 for f in fractions) or not 0 < args.cache_rate <= 1:
         p.error("--fetch-fraction values and --cache-rate must lie in [0, 1] (cache rate above 0)")
     if args.trace:
@@ -229,9 +235,13 @@ def main(argv: list[str] | None = None) -> int:
         lm = load_model(EngineConfig(model=args.model, device="cpu", dtype=args.dtype, moe_backend="resident",
                                      max_seq_len=args.prompt_len + args.tokens + 1))
         L = len(lm.banks.layers)
-        calls = record_trace(lm, args.tokens, args.prompt_len)
+        calls, last_start = [], 0
+        for request in range(args.requests):  # one cache sees them all: the replay carries it across
+            last_start = len(calls)
+            calls += record_trace(lm, args.tokens, args.prompt_len, seed=request)
         trace = {"model": args.model, "layers": L, "experts": lm.banks.layers[0].num_experts,
-                 "prefill_calls": L, "tokens": args.tokens, "calls": calls}
+                 "prefill_calls": L, "tokens": args.tokens, "requests": args.requests, "last_request_start": last_start,
+                 "calls": calls}
         if args.trace_out:
             args.trace_out.write_text(json.dumps(trace))
     if args.warmup >= trace["tokens"]:
@@ -239,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [replay(trace, args.cache_rate, f, evict, fetch, args.warmup)
             for f in fractions for evict in EVICT for fetch in FETCH
             if (f < 1 and evict != "belady") or fetch == "lowest-id"]  # offload: no order to choose
-    print(f"{trace['model']}: {trace['tokens']} decode tokens, {rows[0]['slots']} slots "
+    print(f"{trace['model']}: {trace['requests']} x {trace['tokens']} decode tokens, {rows[0]['slots']} slots "
           f"({args.cache_rate:.0%} of {trace['layers']} x {trace['experts']} experts), measured after {args.warmup}")
     print(f"{'f':>5} | {'evict':>6} | {'fetch':>9} | miss rate | vs the kernels' lru + lowest-id "
           "(belady: the bound, it reads the future)")

@@ -88,9 +88,29 @@ def test_cli_traces_keeps_and_replays(tmp_path, capsys):
     assert json.loads(out.read_text())["rows"] == rows  # the kept trace replays to the same numbers
 
 
+def test_requests_share_one_cache_and_the_last_is_measured(tmp_path):
+    """--requests 2 traces two prompts back to back. The replay carries the cache from the first request
+    into the second and measures only the second's decode: experts the first left behind are its hits."""
+    from benchmarks.sim_expert_cache import replay
+
+    out = tmp_path / "two.json"
+    assert main(["--model", MODEL, "--tokens", "6", "--prompt-len", "8", "--warmup", "0", "--requests", "2",
+                 "--trace-out", str(out)]) == 0
+    trace = json.loads(out.read_text())
+    assert trace["requests"] == 2 and trace["last_request_start"] == len(trace["calls"]) // 2 == 2 * 7
+    # by hand, one layer of 4 experts, 3 slots: request A routes to 0 and 1, request B to 2, then 0 and 1
+    a = [[0, 0, 1], [0, 0]]
+    b = [[0, 2], [0, 0], [0, 1]]
+    both = {"layers": 1, "experts": 4, "prefill_calls": 1, "last_request_start": 2, "calls": a + b}
+    alone = {**both, "last_request_start": 0, "calls": b}
+    assert replay(both, 0.75, 1.0, "lru", "lowest-id", warmup=0)["miss_rate"] == 0.0  # 0 and 1 still cached
+    assert replay(alone, 0.75, 1.0, "lru", "lowest-id", warmup=0)["miss_rate"] == 1.0
+
+
 @pytest.mark.parametrize("args, named", [(["--fetch-fraction", "x"], "--fetch-fraction"),
                                          (["--fetch-fraction", "2"], "--fetch-fraction"),
-                                         (["--tokens", "4", "--warmup", "4"], "--warmup")])
+                                         (["--tokens", "4", "--warmup", "4"], "--warmup"),
+                                         (["--requests", "0"], "--requests")])
 def test_bad_arguments_are_named(args, named, capsys):
     with pytest.raises(SystemExit):
         main(["--model", MODEL, "--prompt-len", "4"] + args)
