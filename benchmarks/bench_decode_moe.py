@@ -196,8 +196,10 @@ def server_args(args: argparse.Namespace, backend: str, cache_rate: float | None
     return out + args.server_arg
 
 
-def run_backend(args: argparse.Namespace, backend: str, cache_rate: float | None, prompt: str, log_dir: Path,
-                round_: int = 1) -> dict:
+def run_backend(args: argparse.Namespace, backend: str, cache_rate: float | None, prompts: tuple[str, str],
+                log_dir: Path, round_: int = 1) -> dict:
+    """One server: warm-up request on prompts[0], the measured one on prompts[1]."""
+    warmup_prompt, prompt = prompts
     row: dict = {"backend": backend, "model": args.model, "decode_tokens": args.decode_tokens,
                  "cache_rate": cache_rate, "round": round_,
                  "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
@@ -210,7 +212,8 @@ def run_backend(args: argparse.Namespace, backend: str, cache_rate: float | None
         info = httpx.get(f"{server.url}/engine/v1/info", timeout=10).json()
         sampling = resolve_sampling(info.get("generation_config") or {}, args.greedy)
         row["sampling"] = sampling
-        stream_chat(server.url, model_id, prompt, warmup_tokens(args), sampling, args.seed)  # warm-up
+        warm = stream_chat(server.url, model_id, warmup_prompt, warmup_tokens(args), sampling, args.seed)
+        row["warmup_prompt_tokens"] = warm["prompt_tokens"]
         before = httpx.get(f"{server.url}/engine/v1/stats", timeout=10).json()
         row.update(stream_chat(server.url, model_id, prompt, args.decode_tokens, sampling, args.seed))
         after = httpx.get(f"{server.url}/engine/v1/stats", timeout=10).json()
@@ -314,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="room left for the prompt in --max-seq-len")
     p.add_argument("--prompts", type=Path, default=PROMPTS, help="JSONL with 'problem' or 'prompt' fields")
     p.add_argument("--prompt-index", type=int, default=0, help="which prompt of the file")
+    p.add_argument("--warmup-prompt-index", type=int,
+                   help="the warm-up request's prompt (default: --prompt-index). The same prompt warms the cache "
+                        "with the very routing the measured request repeats, which flatters a cache that remembers "
+                        "use counts (--moe-cache-policy lfu): compare policies with another one")
     p.add_argument("--cache-size", type=int, help="--moe-cache-size for the server (default: --moe-cache-auto)")
     p.add_argument("--cache-rate", type=str,
                    help="--moe-cache-rate for the server; a comma list sweeps (one server per backend and rate)")
@@ -337,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         args.ceilings = load_ceilings(args.ceilings)  # a bad file fails here, before any server starts
 
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    prompt = load_prompt(args.prompts, args.prompt_index)
+    warmup_index = args.prompt_index if args.warmup_prompt_index is None else args.warmup_prompt_index
+    prompts = (load_prompt(args.prompts, warmup_index), load_prompt(args.prompts, args.prompt_index))
     rates = [float(r) for r in args.cache_rate.split(",")] if args.cache_rate else [None]
     runs = [(b.strip(), None if b.strip() == "resident" else rate)
             for b in args.backend.split(",") if b.strip() for rate in rates]
@@ -345,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     rounds = [(i + 1, backend, rate) for i in range(args.repeat) for backend, rate in runs]
     rows = []
     for round_, backend, rate in tqdm(rounds, desc="bench_decode_moe", unit="server", file=sys.stderr):
-        row = run_backend(args, backend, rate, prompt, args.log_dir, round_)
+        row = run_backend(args, backend, rate, prompts, args.log_dir, round_)
+        row["warmup_prompt_index"] = warmup_index
         rows.append(row)
         if args.json:
             with open(args.json, "a") as f:

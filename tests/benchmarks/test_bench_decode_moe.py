@@ -46,6 +46,7 @@ def test_backends_agree_over_a_cache_sweep_and_plot(tmp_path, demo_ckpt):
     assert len({r["output_sha1"] for r in rows}) == 1  # fp32 greedy: the same text from every server
     for r in rows:
         assert r["completion_tokens"] == 12 and r["decode_tok_s"] > 0 and r["ttft_ms"] > 0
+        assert r["warmup_prompt_index"] == 0 and r["warmup_prompt_tokens"] == r["prompt_tokens"]  # the default
         # the engine's own decode step, timed on its model thread: the client's time per token, up to the
         # one step by which a late first event shortens the client's window
         n = r["completion_tokens"]
@@ -118,10 +119,12 @@ def test_repeat_runs_rounds_and_summarizes(tmp_path, demo_ckpt):
     summary per configuration whose mean is the mean of its servers."""
     png = tmp_path / "repeat.png"
     proc, rows = run_bench(tmp_path, demo_ckpt, "--backend", "resident,hybrid", "--cache-rate", "0.5", "--repeat", "2",
-                           "--plot", str(png))
+                           "--plot", str(png), "--warmup-prompt-index", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [(r["backend"], r["round"]) for r in rows] == [("resident", 1), ("hybrid", 1), ("resident", 2), ("hybrid", 2)]
     assert all(r["ok"] for r in rows) and len({r["output_sha1"] for r in rows}) == 1
+    # the warm-up ran on the second prompt of the file, the measured request on the first
+    assert all(r["warmup_prompt_index"] == 1 and r["warmup_prompt_tokens"] != r["prompt_tokens"] for r in rows)
     # hybrid's CPU executor reports how often its workers lost their core over the measured request
     assert all(isinstance(r["worker_preemptions"], int) and r["worker_preemptions"] >= 0
                for r in rows if r["backend"] == "hybrid")
