@@ -56,7 +56,7 @@ class EngineConfig:
     moe_cache_policy: CachePolicy = field(CachePolicy.LRU, help="offload/cpu/hybrid: which cached expert a fetched miss "
                                           "replaces: lru (least recently used) or lfu (least often routed to, then "
                                           "least recent; hybrid then fetches its most used misses and leaves the rest "
-                                          "to the CPU: 4-9 %% fewer misses in benchmarks/sim_expert_cache.py)")
+                                          "to the CPU: 1-9 %% fewer misses in benchmarks/sim_expert_cache.py)")
     moe_hybrid_max_fetch: int = field(-1, help="hybrid: most misses fetched per layer and step; -1 = automatic, 0 = all misses on the CPU")
     moe_cpu_threads: int = field(0, help="cpu/hybrid: CPU executor workers, each pinned to a physical core; 0 = one per core "
                                          "minus one for the thread driving the GPU")
