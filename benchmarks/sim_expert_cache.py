@@ -21,9 +21,9 @@ cache, as the kernels run it and with other eviction and fetch orders.
     python -m benchmarks.sim_expert_cache --model 'synthetic:qwen3-moe-mini?layers=24' --tokens 512 \
         --cache-rate 0.33 --fetch-fraction 1,0.28 [--trace-out trace.json]
 
-Miss rates are over the last request's decode tokens after ``--warmup`` of them (the cache's start fills it). Every miss is an
-expert's bytes read from host DRAM (fetched or computed in place), so on a host where those reads bound
-decode (hybrid, offload), tok/s follows 1 / miss rate.
+Miss rates are over the last request's decode tokens after ``--warmup`` of them (the cache's start fills
+it). Every miss is an expert's bytes read from host DRAM (fetched or computed in place), so on a host
+where those reads bound decode (hybrid, offload), tok/s follows 1 / miss rate.
 """
 
 from __future__ import annotations
@@ -39,18 +39,18 @@ import torch
 from tqdm import tqdm
 
 from kernels.ensure_experts_ref import USE_CAP, USE_SHIFT
+from services.engine.moe.hybrid import DECODE_MAX_ROUTES  # above: a call takes the offload path (every miss fetched)
 
 Q16 = 1 << 16
-DECODE_MAX_ROUTES = 64  # services/engine/moe/hybrid.py: above, a call takes the offload path (every miss fetched)
 _PROTECTED = 1 << 62  # a slot hit or taken in this call: never the victim
 _NEVER = 1 << 61  # belady: the next use of an expert not routed to again
 EVICT = ("lru", "lfu", "belady")
 FETCH = ("lowest-id", "most-used")
 
 
-def record_trace(lm, tokens: int, prompt_len: int, seed: int = 0) -> list[list[list[int]]]:
-    """Decode ``tokens`` tokens after a random prompt on ``lm`` (a LoadedModel on the CPU); returns per
-    call of each MoE layer, in order, the routed expert ids of all its rows (prefill: one call per layer)."""
+def record_trace(lm, tokens: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
+    """Decode ``tokens`` tokens after a random prompt on ``lm`` (a LoadedModel on the CPU); returns one
+    ``[layer, *expert ids of all its rows]`` per call of a MoE layer, in order (prefill: one call per layer)."""
     from services.engine.runtime.kv_cache import ForwardBatch, KVCache
 
     calls: list[list[int]] = []
