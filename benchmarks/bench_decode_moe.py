@@ -120,15 +120,14 @@ def stream_chat(url: str, model: str, prompt: str, max_tokens: int, sampling: di
     }
 
 
-def executor_stats(stats: dict) -> dict:
-    """The CPU executor's part of the engine's stats ({} for backends without one)."""
-    experts = stats.get("experts") or stats.get("backend") or {}
-    return experts.get("cpu_executor") or {}
+def backend_stats(stats: dict) -> dict:
+    """The expert backend's part of the engine's stats JSON ({} for a model without one)."""
+    return stats.get("experts") or stats.get("backend") or {}
 
 
 def engine_summary(stats: dict) -> dict:
     """Miss rate, fetch split and VRAM from the engine's stats JSON (absent keys stay None)."""
-    experts = stats.get("experts") or stats.get("backend") or {}
+    experts = backend_stats(stats)
     hits, misses = experts.get("hits"), experts.get("misses")
     fetched, cpu = experts.get("fetched"), experts.get("cpu_computed")
     return {
@@ -218,9 +217,9 @@ def run_backend(args: argparse.Namespace, backend: str, cache_rate: float | None
         row.update(stream_chat(server.url, model_id, prompt, args.decode_tokens, sampling, args.seed))
         after = httpx.get(f"{server.url}/engine/v1/stats", timeout=10).json()
         row.update(engine_summary(_delta(before, after)))
-        if "worker_preemptions" in executor_stats(after):
-            row["worker_preemptions"] = (executor_stats(after)["worker_preemptions"]
-                                         - executor_stats(before)["worker_preemptions"])
+        ex_before, ex_after = (backend_stats(s).get("cpu_executor") or {} for s in (before, after))
+        if "worker_preemptions" in ex_after:  # cpu, hybrid and auto: a counter one level down
+            row["worker_preemptions"] = ex_after["worker_preemptions"] - ex_before["worker_preemptions"]
         row.update(step_split(row, before, after))
         row["vram_gib"] = after.get("vram_gib")
         row["moe"] = info.get("moe")
@@ -236,8 +235,7 @@ def run_backend(args: argparse.Namespace, backend: str, cache_rate: float | None
 
 def _delta(before: dict, after: dict) -> dict:
     """Counters of the measured request alone (after - before); gauges from ``after``."""
-    b = before.get("experts") or before.get("backend") or {}
-    a = after.get("experts") or after.get("backend") or {}
+    b, a = backend_stats(before), backend_stats(after)
     def counter(k: str) -> bool:  # a number on both sides (a rate may be None before its first measurement)
         return k != "fetch_fraction" and all(isinstance(v, (int, float)) for v in (a[k], b.get(k, 0)))
 

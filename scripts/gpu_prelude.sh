@@ -1,4 +1,4 @@
-# Sourced by scripts/gpu_run30.sh and later: what every H200 call starts with. The wheels the device lacks
+# Sourced by scripts/gpu_run21.sh and later: what every H200 call starts with. The wheels the device lacks
 # (.whl, carried) go to /tmp/site; profiles and the executor's build cache stay in /tmp.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1 TANDEM_PROFILES_DIR=/tmp/profiles XDG_CACHE_HOME=/tmp/xdg

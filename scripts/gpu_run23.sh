@@ -2,15 +2,11 @@
 # Twenty-third H200 call: decode attention split over key chunks (flash-decoding; run 22 found the one-program-
 # per-head kernel at 68 us per layer, ~1.6 ms of every 24-layer step). GPU tests of the kernel, the models and the
 # runner's graphs, ceilings, then one process (kernels and the serial part again) and end to end.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-export PYTHONUNBUFFERED=1 TANDEM_PROFILES_DIR=/tmp/profiles XDG_CACHE_HOME=/tmp/xdg
-step() { echo; echo "=== $* ($(date +%T))"; }
-M24='synthetic:qwen3-30b-a3b?layers=24'
-step build; timeout 90 python3 -m services.engine.moe.cpu_executor --build 2>&1 | tail -1
+source scripts/gpu_prelude.sh
+build
 step gpu-tests; timeout 150 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/kernels/test_decode_attention.py \
    tests/engine/models tests/engine/runtime 2>&1 | tail -3
-step physlimits; (cd .tools && timeout 90 python3 physlimits.py > $OUT/physlimits23.txt 2>&1); grep -E "GBs" $OUT/physlimits23.txt | grep -E "h2d_gather_8|overlap|c_avx512_stream"
-cp $OUT/physlimits.json $OUT/physlimits23.json
+ceilings 23
 step split; timeout 200 python3 -m benchmarks.bench_hybrid_split --cache-rate 0.33 --configs hybrid,hybrid+w3 \
    --profile-steps 8 --json $OUT/split23.json > $OUT/split23.log 2>&1; echo "rc $?"
 sed -n '/slots (/,$p' $OUT/split23.log | head -40

@@ -2,14 +2,10 @@
 # Twenty-fourth H200 call (run 23's machine and ceilings): end to end, the engine thread sleeping on a blocking
 # CUDA event for each step's tokens (TANDEM_HOST_WAIT=block, new default) against spinning (the runtime's
 # default), alternating hybrid servers; then 14 executor workers; then the other backends for the issue table.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-export PYTHONUNBUFFERED=1 TANDEM_PROFILES_DIR=/tmp/profiles XDG_CACHE_HOME=/tmp/xdg
-step() { echo; echo "=== $* ($(date +%T))"; }
-M24='synthetic:qwen3-30b-a3b?layers=24'
+source scripts/gpu_prelude.sh
 BENCH="python3 -m benchmarks.bench_decode_moe --model $M24 --cache-rate 0.33 --decode-tokens 128 --warmup-tokens 384
   --startup-timeout 100 --ceilings docs/results/h200-2026-11-29/physlimits23.json --json $OUT/decode_run24.jsonl"
-row() { grep -E "^ +(resident|hybrid|offload|cpu|auto) "; }
-step build; timeout 90 python3 -m services.engine.moe.cpu_executor --build 2>&1 | tail -1
+build
 step gpu-tests; timeout 60 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/engine/runtime/test_sampler.py 2>&1 | tail -1
 for i in 1 2 3; do
   step "round $i block"; timeout 70 $BENCH --backend hybrid --log-dir runs/block_$i 2>&1 | row

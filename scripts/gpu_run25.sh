@@ -2,15 +2,10 @@
 # Twenty-fifth H200 call: decode overlap (the engine launches step N+1, fed by step N's samples on the device,
 # before it reads step N's tokens). GPU tests of the engine against transformers with graphs and chaining, the
 # ceilings, then end to end: hybrid servers alternating --decode-overlap auto (new default) and off, and resident.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-export PYTHONUNBUFFERED=1 TANDEM_PROFILES_DIR=/tmp/profiles XDG_CACHE_HOME=/tmp/xdg
-step() { echo; echo "=== $* ($(date +%T))"; }
-M24='synthetic:qwen3-30b-a3b?layers=24'
-row() { grep -E "^ +(resident|hybrid|offload|cpu|auto) "; }
-step build; timeout 90 python3 -m services.engine.moe.cpu_executor --build 2>&1 | tail -1
+source scripts/gpu_prelude.sh
+build
 step gpu-tests; timeout 150 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/engine/runtime 2>&1 | tail -3
-step physlimits; (cd .tools && timeout 90 python3 physlimits.py > $OUT/physlimits25.txt 2>&1); grep -E "GBs" $OUT/physlimits25.txt | grep -E "h2d_gather_8|overlap|c_avx512_stream"
-cp $OUT/physlimits.json $OUT/physlimits25.json
+ceilings 25
 BENCH="python3 -m benchmarks.bench_decode_moe --model $M24 --cache-rate 0.33 --decode-tokens 128 --warmup-tokens 384
   --startup-timeout 100 --ceilings $OUT/physlimits25.json --json $OUT/decode_run25.jsonl"
 for i in 1 2 3; do

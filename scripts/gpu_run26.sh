@@ -2,16 +2,11 @@
 # Twenty-sixth H200 call: decode overlap with the engine thread sleeping on each step's tokens while the next step
 # runs, and the process's threads kept off the CPU executor's worker cores (TANDEM_CPU_CONFINE). Alternating
 # hybrid servers: A = both (the new defaults), B = overlap without confinement, C = neither (no overlap).
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-export PYTHONUNBUFFERED=1 TANDEM_PROFILES_DIR=/tmp/profiles XDG_CACHE_HOME=/tmp/xdg
-step() { echo; echo "=== $* ($(date +%T))"; }
-M24='synthetic:qwen3-30b-a3b?layers=24'
-row() { grep -E "^ +(resident|hybrid|offload|cpu|auto) "; }
-step build; timeout 90 python3 -m services.engine.moe.cpu_executor --build 2>&1 | tail -1
+source scripts/gpu_prelude.sh
+build
 step gpu-tests; timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/engine/runtime/test_batching.py \
   tests/engine/moe/test_cpu_executor.py -k "cuda or confine or handoff" 2>&1 | tail -2
-step physlimits; (cd .tools && timeout 90 python3 physlimits.py > $OUT/physlimits26.txt 2>&1); grep -E "GBs" $OUT/physlimits26.txt | grep -E "h2d_gather_8|overlap|c_avx512_stream"
-cp $OUT/physlimits.json $OUT/physlimits26.json
+ceilings 26
 BENCH="python3 -m benchmarks.bench_decode_moe --model $M24 --cache-rate 0.33 --decode-tokens 128 --warmup-tokens 384
   --startup-timeout 100 --ceilings $OUT/physlimits26.json --json $OUT/decode_run26.jsonl"
 for i in 1 2 3; do

@@ -2,16 +2,11 @@
 # Twenty-eighth H200 call: run 27 found every chained launch waiting out the step before it (a sampler index read
 # on the host); with that gone: the probe again, then hybrid servers alternating A (decode overlap, the defaults)
 # and C (--decode-overlap off, TANDEM_CPU_CONFINE=0: the path before this session), then auto, cpu and offload.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-export PYTHONUNBUFFERED=1 TANDEM_PROFILES_DIR=/tmp/profiles XDG_CACHE_HOME=/tmp/xdg
-step() { echo; echo "=== $* ($(date +%T))"; }
-M24='synthetic:qwen3-30b-a3b?layers=24'
-row() { grep -E "^ +(resident|hybrid|offload|cpu|auto) "; }
-step build; timeout 90 python3 -m services.engine.moe.cpu_executor --build 2>&1 | tail -1
+source scripts/gpu_prelude.sh
+build
 step gpu-tests; timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/runtime tests/engine/moe/test_cpu_executor.py \
   -k "cuda or confine or handoff or sampl" 2>&1 | grep -E "^E |FAILED|passed|failed" | head -10
-step physlimits; (cd .tools && timeout 90 python3 physlimits.py > $OUT/physlimits28.txt 2>&1); grep -E "GBs" $OUT/physlimits28.txt | grep -E "h2d_gather_8|overlap|c_avx512_stream"
-cp $OUT/physlimits.json $OUT/physlimits28.json
+ceilings 28
 step probe-hybrid; timeout 150 python3 scripts/probe_overlap.py "$M24" hybrid moe_cache_rate=0.33 2>&1 | grep -v INFO | grep -v building | tail -8
 BENCH="python3 -m benchmarks.bench_decode_moe --model $M24 --cache-rate 0.33 --decode-tokens 128 --warmup-tokens 384
   --startup-timeout 100 --ceilings $OUT/physlimits28.json --json $OUT/decode_run28.jsonl"

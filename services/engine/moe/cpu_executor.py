@@ -227,14 +227,14 @@ class CpuExecutor:
         n = num_threads or len(cpus)
         if spin_us is None:
             spin_us = self.SPIN_US_SPARE_CORE if n < len(cpus) else self.SPIN_US_SHARED
-        self.worker_cpus = cpus[:n] if n <= len(cpus) else []  # pinned one per core, or floating (empty)
-        self.confined_to = confine_other_threads(cpus[:n]) if confine_others and n < len(cpus) else set()
+        # pinned one per core when there is a core per worker; oversubscribed pools (tests) float (empty)
+        self.worker_cpus = cpus[:n] if n <= len(cpus) else []
+        self.confined_to = confine_other_threads(self.worker_cpus) if confine_others and n < len(cpus) else set()
         if self.confined_to:
             log.info("cpu executor: %d workers on cores %s; the process's other threads on CPUs %s", n,
-                     cpus[:n], sorted(self.confined_to))
-        # pin only when there is a core per worker; oversubscribed pools (tests) float
+                     self.worker_cpus, sorted(self.confined_to))
         others = _worker_tids()
-        self._impl = ext.Executor(cpus if n <= len(cpus) else [], n, spin_us, isa)
+        self._impl = ext.Executor(self.worker_cpus, n, spin_us, isa)
         self._tids = _worker_tids() - others  # this pool's workers (named before the constructor returns)
         self.banks = banks
         self._pending: tuple | None = None
