@@ -4,11 +4,18 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import pytest
 import torch
 
 from services.engine.config import EngineConfig
 from services.engine.models.registry import build_backend
 from services.engine.runtime.kv_cache import ForwardBatch, KVCache
+
+
+# Tests that play the device on the CPU (Triton's interpreter on CPU tensors, a stand-in driver): with CUDA the
+# interpreter is off, the kernels would be handed CPU tensors, and the gpu-marked tests run the real thing.
+CPU_PLAYS_THE_DEVICE = pytest.mark.skipif(torch.cuda.is_available(), reason="plays the device on the CPU; "
+                                          "with CUDA the gpu tests run the real kernels")
 
 
 def tolerance(dtype: torch.dtype) -> float:

@@ -22,7 +22,7 @@ from services.engine.moe.banks import ExpertBanks, ExpertFormat  # noqa: E402
 from services.engine.moe.cpu_executor import CpuExecutor, build_extension, physical_cpus  # noqa: E402
 from services.engine.moe.cpu_handoff import DeviceHandoff, GraphHandoff  # noqa: E402
 from services.engine.moe.reference import moe_reference  # noqa: E402
-from tests.helpers import tolerance  # noqa: E402
+from tests.helpers import CPU_PLAYS_THE_DEVICE, tolerance  # noqa: E402
 
 SHAPES = [  # T, A, E, D, I
     (1, 1, 1, 16, 8),
@@ -31,10 +31,6 @@ SHAPES = [  # T, A, E, D, I
     (17, 4, 9, 96, 40),
     (64, 8, 16, 128, 64),
 ]
-# The handoff's protocol tests play the device on the CPU (Triton's interpreter, a stand-in driver); on a CUDA
-# machine the interpreter is off and the real driver answers, and the GPU tests cover the real handoff.
-CPU_PLAYS_THE_DEVICE = pytest.mark.skipif(torch.cuda.is_available(), reason="plays the device on the CPU; "
-                                          "with CUDA the gpu tests run the real handoff")
 ISAS = [isa for isa in ("avx512bf16", "avx512", "avx2", "scalar") if build_extension().select_isa(isa)]
 
 
@@ -324,6 +320,7 @@ def test_warm_now_reads_each_expert_once(executors):
                                atol=tolerance(torch.bfloat16), rtol=tolerance(torch.bfloat16))
 
 
+@CPU_PLAYS_THE_DEVICE
 def test_graph_mode_warms_the_posted_row_after_the_job():
     """The GPU's post (kernels/cpu_handoff.post_warm, interpreted) of layer 1's experts with the seq of layer
     0's job: once that job is done the idle pool reads them; a row posted for another seq is never read."""

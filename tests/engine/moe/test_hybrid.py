@@ -15,7 +15,7 @@ from services.engine.config import EngineConfig, MoEBackend  # noqa: E402
 from services.engine.models.registry import build_backend, load_model, pin_banks  # noqa: E402
 from services.engine.moe.backends import BackendContext  # noqa: E402
 from services.engine.moe.hybrid import HybridBackend  # noqa: E402
-from tests.helpers import greedy_generate, resident_greedy  # noqa: E402
+from tests.helpers import CPU_PLAYS_THE_DEVICE, greedy_generate, resident_greedy  # noqa: E402
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 PROMPT = [(7 * i + 3) % 120 + 4 for i in range(40)]  # 40 tokens: prefill above the split path (offload)
@@ -110,6 +110,7 @@ def test_backed_off_runs_plain_offload(hf_checkpoints, loaded, resident_tokens):
     assert backend.controller.steps >= NEW_TOKENS - 2  # backed-off steps are still observed (for probing)
 
 
+@CPU_PLAYS_THE_DEVICE
 def test_triton_kernels_under_the_interpreter(hf_checkpoints, loaded, resident_tokens):
     lm = loaded["mixtral"]
     tokens, backend, counter = run(lm, hf_checkpoints["mixtral"].dir, MoEBackend.HYBRID, slots=lm.spec.top_k,

@@ -16,7 +16,7 @@ from services.engine.models.registry import build_backend, load_model  # noqa: E
 from services.engine.moe.backends import BackendContext  # noqa: E402
 from services.engine.moe.offload import OffloadBackend  # noqa: E402
 from services.engine.moe.sizing import GiB, CacheGeometry, decide_cache_size  # noqa: E402
-from tests.helpers import greedy_generate, resident_greedy  # noqa: E402
+from tests.helpers import CPU_PLAYS_THE_DEVICE, greedy_generate, resident_greedy  # noqa: E402
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 PROMPT = [(7 * i + 3) % 120 + 4 for i in range(40)]  # 40 tokens: a prefill touching every expert
@@ -84,6 +84,7 @@ def test_cache_holding_everything_misses_each_expert_once(hf_checkpoints, loaded
     assert backend.stats()["cache"]["misses"] == len(counter.pairs)  # cold misses only, no eviction
 
 
+@CPU_PLAYS_THE_DEVICE
 def test_offload_with_triton_kernels(hf_checkpoints, loaded, resident_tokens):
     """The Triton ensure + fused copy inside the layer (interpreted without a GPU), smallest cache."""
     lm = loaded["mixtral"]
