@@ -17,6 +17,8 @@ host as the server does:
     ...+tT       cpu/hybrid with T CPU executor workers (--moe-cpu-threads T)
     ...+wW       cpu/hybrid with the next layer's W likeliest uncached experts per token read into the
                  CPU's caches between jobs, and kept for the CPU by the split (--moe-cpu-warm W)
+    ...+lru      any of them with the LRU cache policy (--moe-cache-policy lru; without it: the engine's default,
+                 lfu, or lru with +pP)
     ...+lfu      any of them with the LFU cache policy (--moe-cache-policy lfu; not with +pP)
 
 Per config: ms/token (mean, p50, p99), misses, fetched and CPU experts per layer, and for hybrid/cpu the
@@ -59,27 +61,27 @@ class Config:
     prefetch: int = 0  # --moe-prefetch
     cpu_threads: int = 0  # --moe-cpu-threads (0: the engine's default)
     warm: int = 0  # --moe-cpu-warm
-    lfu: bool = False  # --moe-cache-policy lfu
+    policy: str | None = None  # --moe-cache-policy lru | lfu (None: the engine's default)
 
 
 def parse_config(config: str) -> Config:
-    """'KIND[:N][+pP][+tT][+wW][+lfu]' (KIND offload | cpu | hybrid; :N hybrid's fixed cap; +pP --moe-prefetch
-    P; +tT --moe-cpu-threads T; +wW --moe-cpu-warm W, cpu/hybrid only; +lfu --moe-cache-policy lfu, not with
-    +pP) -> Config; SystemExit naming a bad one."""
+    """'KIND[:N][+pP][+tT][+wW][+lru|+lfu]' (KIND offload | cpu | hybrid; :N hybrid's fixed cap; +pP
+    --moe-prefetch P; +tT --moe-cpu-threads T; +wW --moe-cpu-warm W, cpu/hybrid only; +lru / +lfu
+    --moe-cache-policy, lfu not with +pP) -> Config; SystemExit naming a bad one."""
     head, *options = config.split("+")
     kind, _, cap = head.partition(":")
-    lfu = "lfu" in options
-    options = [o for o in options if o != "lfu"]
+    policies = [o for o in options if o in ("lru", "lfu")]
+    options = [o for o in options if o not in policies]
     flags = {o[:1]: o[1:] for o in options}
     bad = (kind not in ("offload", "cpu", "hybrid") or (cap and (kind != "hybrid" or not cap.isdigit()))
            or len(flags) != len(options) or any(k not in "ptw" or not v.isdigit() for k, v in flags.items())
-           or (kind == "offload" and "w" in flags) or (lfu and "p" in flags))
+           or (kind == "offload" and "w" in flags) or len(policies) > 1 or ("lfu" in policies and "p" in flags))
     if bad:
         raise SystemExit(f"bench_hybrid_split: --configs: unknown config {config!r} "
                          "(offload | cpu | hybrid | hybrid:N, then optional +pP, +tT, +wW (not for offload) "
-                         "and +lfu (not with +pP))")
+                         "and one of +lru, +lfu (lfu not with +pP))")
     return Config(kind, int(cap) if cap else -1, int(flags.get("p", 0)), int(flags.get("t", 0)), int(flags.get("w", 0)),
-                  lfu)
+                  policies[0] if policies else None)
 
 
 def build(lm, config: str, num_slots: int):
@@ -87,7 +89,7 @@ def build(lm, config: str, num_slots: int):
     c = parse_config(config)
     cfg = EngineConfig(model=lm.model_id, device=lm.device.type, moe_backend=c.kind, moe_hybrid_max_fetch=c.max_fetch,
                        moe_prefetch=c.prefetch, moe_cpu_threads=c.cpu_threads, moe_cpu_warm=c.warm,
-                       moe_cache_policy="lfu" if c.lfu else "lru")
+                       moe_cache_policy=c.policy)
     ctx = BackendContext(lm.banks, cfg, lm.device, lm.dtype, lm.spec.top_k, lm.model.non_expert_nbytes(),
                          next_layer_predictors=next_layer_predictors(lm.model) if c.prefetch or c.warm else None)
     if c.kind == "offload":
@@ -296,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-rate", type=float, default=0.33, help="share of all experts given GPU slots")
     p.add_argument("--configs", default="offload,cpu,hybrid:1,hybrid:2,hybrid:3,hybrid:4,hybrid",
                    help="comma list of offload | cpu | hybrid | hybrid:N, each optionally followed by +pP (prefetch P), "
-                        "+tT (T CPU workers) and +wW (CPU cache warm W), e.g. hybrid+p2+t14 (default: %(default)s)")
+                        "+tT (T CPU workers), +wW (CPU cache warm W) and +lru or +lfu (cache policy; default: the "
+                        "engine's), e.g. hybrid+p2+t14 (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=128, help="timed decode tokens per config")
     p.add_argument("--warmup", type=int, default=320,
                    help="untimed decode tokens per config first (the controller's split search settles in ~250)")

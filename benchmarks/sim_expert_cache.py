@@ -8,14 +8,14 @@ cache, as the kernels run it and with other eviction and fetch orders.
 2. replay: one pool of S = ceil(r·L·E) slots shared by all layers (services/engine/moe/cache.py), per call
    the layer's hits, then F of its M misses fetched into slots (offload: F = M; hybrid: F from the fetch
    fraction f, the rule of kernels/ensure_experts_hybrid.py), the others computed on the CPU. Policies:
-     - evict ``lru``: least recently used slot, lowest index first (what kernels/ensure_experts.py does),
-       or ``lfu``: the slot whose expert was routed to least often so far, then least recently used;
-     - fetch ``lowest-id``: hybrid fetches the misses with the lowest expert ids (the kernels), or
+     - evict ``lru``: least recently used slot, lowest index first (kernels/ensure_experts.py under
+       ``--moe-cache-policy lru``), or ``lfu`` (the engine's default): the slot whose expert was routed to least often so far, then least recently used;
+     - fetch ``lowest-id``: hybrid fetches the misses with the lowest expert ids (the kernels under lru), or
        ``most-used``: the misses routed to most often so far;
      - and, as the bound no policy can beat, evict ``belady``: the slot whose expert is routed to again
        last (or never), read from the trace's future.
-   ``lru`` + ``lowest-id`` replays the engine's own counters call for call, and ``lfu`` + ``most-used`` those
-   of ``--moe-cache-policy lfu`` (tests/benchmarks/test_sim_expert_cache.py checks both against a real
+   ``lru`` + ``lowest-id`` replays the engine's counters under ``--moe-cache-policy lru`` call for call, and
+   ``lfu`` + ``most-used`` those of ``lfu`` (tests/benchmarks/test_sim_expert_cache.py checks both against a real
    offload and hybrid backend).
 
     python -m benchmarks.sim_expert_cache --model 'synthetic:qwen3-moe-mini?layers=24' --tokens 512 \
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             if (f < 1 and evict != "belady") or fetch == "lowest-id"]  # offload: no order to choose
     print(f"{trace['model']}: {trace['requests']} x {trace['tokens']} decode tokens, {rows[0]['slots']} slots "
           f"({args.cache_rate:.0%} of {trace['layers']} x {trace['experts']} experts), measured after {args.warmup}")
-    print(f"{'f':>5} | {'evict':>6} | {'fetch':>9} | miss rate | vs the kernels' lru + lowest-id "
+    print(f"{'f':>5} | {'evict':>6} | {'fetch':>9} | miss rate | vs lru + lowest-id (--moe-cache-policy lru) "
           "(belady: the bound, it reads the future)")
     for r in rows:
         base = next(b for b in rows if b["fetch_fraction"] == r["fetch_fraction"] and b["evict"] == "lru"

@@ -54,7 +54,7 @@ def test_backends_agree_over_a_cache_sweep_and_plot(tmp_path, demo_ckpt):
         assert r["serving_ms_per_token"] == pytest.approx(1e3 / r["decode_tok_s"] - r["engine_step_ms"])
         assert r["chained_share"] == 0.0  # --decode-overlap auto chains graph replays only: none on the CPU
     assert all(0.0 <= r["miss_rate"] <= 1.0 for r in rows[1:])  # read from the engine's stats
-    assert rows[0]["cache_policy"] is None and all(r["cache_policy"] == "lru" for r in rows[1:])
+    assert rows[0]["cache_policy"] is None and all(r["cache_policy"] == "lfu" for r in rows[1:])  # the default
     config = json.loads((demo_ckpt / "config.json").read_text())
     for r in rows:  # the geometry comes from the engine's /engine/v1/info
         assert r["moe"]["top_k"] == config["num_experts_per_tok"] and r["moe"]["experts"] == config["num_experts"]

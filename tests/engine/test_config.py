@@ -30,3 +30,11 @@ def test_bad_config_names_the_flag(kwargs, flag):
 def test_good_config():
     cfg = EngineConfig(model="demo", moe_backend="hybrid", moe_cache_rate=0.25, moe_hybrid_max_fetch=0)
     assert cfg.moe_backend.value == "hybrid"
+
+
+def test_the_cache_policy_defaults_to_lfu_but_lru_under_the_prefetch():
+    """Unset, the policy is lfu (fewer misses, runs 35-37); with --moe-prefetch lru, whose order keeps the
+    prefetch's slots safe; given, it is kept."""
+    assert EngineConfig(model="demo").moe_cache_policy.value == "lfu"
+    assert EngineConfig(model="demo", moe_prefetch=2).moe_cache_policy.value == "lru"
+    assert EngineConfig(model="demo", moe_cache_policy="lru").moe_cache_policy.value == "lru"

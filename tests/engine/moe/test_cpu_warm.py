@@ -53,12 +53,12 @@ def mini():
     return load_model(EngineConfig(model="synthetic:qwen3-moe-mini"), attach_backend=False)
 
 
-def split_against_plan(mini, warm: int) -> tuple[int, int, list[int]]:
+def split_against_plan(mini, warm: int, policy: str) -> tuple[int, int, list[int]]:
     """Hybrid on qwen3-moe-mini (a third cached, at most 2 misses fetched per layer), decode layers after the
     first: (layers, layers where the CPU got as many of the planned misses as it could, i.e. min(planned
     misses, its share)), and the tokens. ``warm`` 0: the same plan, hidden from the split."""
     cfg = EngineConfig(model=mini.model_id, moe_backend="hybrid", moe_cache_rate=0.34, moe_hybrid_max_fetch=2,
-                       moe_cpu_warm=max(warm, 1))
+                       moe_cpu_warm=max(warm, 1), moe_cache_policy=policy)
     backend = build_backend(mini, cfg)
     E = backend.cache.state.num_experts
     seen = {"layers": 0, "as_planned": 0}
@@ -87,15 +87,18 @@ def split_against_plan(mini, warm: int) -> tuple[int, int, list[int]]:
     return seen["layers"], seen["as_planned"], tokens
 
 
-def test_the_cpu_computes_the_warmed_experts(mini):
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_the_cpu_computes_the_warmed_experts(mini, policy):
     """qwen3-moe-mini routes like Qwen3-30B-A3B (E 128, top-8): with the 3 likeliest uncached experts per
     token warmed, every layer's CPU share holds as many of them as it can (the fetch takes the others
-    first); without the preference the lowest-id rule picks the CPU's share regardless. Tokens unchanged."""
-    layers, as_planned, tokens = split_against_plan(mini, 3)
-    blind_layers, blind_as_planned, blind_tokens = split_against_plan(mini, 0)
+    first), under either fetch order. Without the preference, lru's lowest-id rule picks the CPU's share
+    regardless of the plan. Tokens unchanged."""
+    layers, as_planned, tokens = split_against_plan(mini, 3, policy)
+    blind_layers, blind_as_planned, blind_tokens = split_against_plan(mini, 0, policy)
     assert tokens == blind_tokens
     assert layers == blind_layers > 20 and as_planned == layers
-    assert blind_as_planned < 0.8 * layers, (blind_as_planned, layers)
+    if policy == "lru":
+        assert blind_as_planned < 0.8 * layers, (blind_as_planned, layers)
 
 
 def test_warm_off_and_why(hf_checkpoints, loaded, caplog):
