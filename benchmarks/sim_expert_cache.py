@@ -9,14 +9,15 @@ cache, as the kernels run it and with other eviction and fetch orders.
    the layer's hits, then F of its M misses fetched into slots (offload: F = M; hybrid: F from the fetch
    fraction f, the rule of kernels/ensure_experts_hybrid.py), the others computed on the CPU. Policies:
      - evict ``lru``: least recently used slot, lowest index first (kernels/ensure_experts.py under
-       ``--moe-cache-policy lru``), or ``lfu`` (the engine's default): the slot whose expert was routed to least often so far, then least recently used;
+       ``--moe-cache-policy lru``), or ``lfu`` (the engine's default): the slot whose expert was routed to
+       least often so far, then least recently used;
      - fetch ``lowest-id``: hybrid fetches the misses with the lowest expert ids (the kernels under lru), or
        ``most-used``: the misses routed to most often so far;
      - and, as the bound no policy can beat, evict ``belady``: the slot whose expert is routed to again
        last (or never), read from the trace's future.
    ``lru`` + ``lowest-id`` replays the engine's counters under ``--moe-cache-policy lru`` call for call, and
-   ``lfu`` + ``most-used`` those of ``lfu`` (tests/benchmarks/test_sim_expert_cache.py checks both against a real
-   offload and hybrid backend).
+   ``lfu`` + ``most-used`` those of ``lfu`` (tests/benchmarks/test_sim_expert_cache.py checks both against a
+   real offload and hybrid backend).
 
     python -m benchmarks.sim_expert_cache --model 'synthetic:qwen3-moe-mini?layers=24' --tokens 512 \
         --cache-rate 0.33 --fetch-fraction 1,0.28 [--trace-out trace.json]
