@@ -130,11 +130,11 @@ class SlotCache:
             self._ensure(base, hits, fetched)
 
     def _count(self, base: int, experts: list[int]) -> None:
-        """One use per expert; the layer's counts halved once one reaches USE_CAP (as the kernels)."""
+        """One use per expert; every layer's counts halved once one of these reaches USE_CAP (as the kernels)."""
         layer = self.uses[base: base + self.E]
         layer[experts] += 1
         if layer.max() >= USE_CAP:
-            layer >>= 1
+            self.uses >>= 1
 
     def _lookup(self, base: int, experts: list[int]) -> tuple[list[int], list[int]]:
         """(cached, missed) among ``experts``, counted."""

@@ -34,12 +34,19 @@ from kernels.ensure_experts_ref import ensure_experts_reference, num_chunks  # n
 
 
 @triton.jit
-def count_uses(uses_ptr, base, routed, e_idx, e_mask, USE_CAP: tl.constexpr):
-    """uses[base + e] += routed[e] over the layer's [BLOCK_E] tile, halved if a count reached USE_CAP (as
-    ensure_experts_ref.count_uses_). Shared by the ensure kernels."""
+def count_uses(uses_ptr, base, routed, e_idx, e_mask, n_uses, BLOCK_E: tl.constexpr, USE_CAP: tl.constexpr):
+    """uses[base + e] += routed[e] over the layer's [BLOCK_E] tile; then, if a count reached USE_CAP, all
+    ``n_uses`` counts (every layer's) halved, [BLOCK_E] at a time (as ensure_experts_ref.count_uses_).
+    Shared by the ensure kernels."""
     counts = tl.load(uses_ptr + base + e_idx, mask=e_mask, other=0) + routed.to(tl.int32)
-    counts = tl.where(tl.max(counts, axis=0) >= USE_CAP, counts >> 1, counts)
     tl.store(uses_ptr + base + e_idx, counts, mask=e_mask)
+    if tl.max(counts, axis=0) >= USE_CAP:  # rare (every few dozen tokens): only then the whole table
+        tl.debug_barrier()
+        for i0 in range(0, n_uses, BLOCK_E):
+            idx = i0 + e_idx
+            # .cg: read through L2, never a stale L1 line of what this program just wrote
+            old = tl.load(uses_ptr + idx, mask=idx < n_uses, other=0, cache_modifier=".cg")
+            tl.store(uses_ptr + idx, old >> 1, mask=idx < n_uses)
 
 
 @triton.jit
@@ -70,7 +77,7 @@ def _ensure_experts_kernel(
     topk_ids_ptr, slot_ids_ptr, job_src_ptr, job_dst_ptr, job_count_ptr,
     hits_ptr, misses_ptr, fetched_ptr, work_ptr, uses_ptr,
     # sizes
-    layer, N, E, S, chunk_lo, chunk_size,
+    layer, N, E, S, chunk_lo, chunk_size, n_uses,
     # meta-parameters
     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, LFU: tl.constexpr,
     COUNT_USES: tl.constexpr, USE_SHIFT: tl.constexpr, USE_CAP: tl.constexpr,
@@ -154,7 +161,7 @@ def _ensure_experts_kernel(
     tl.store(job_count_ptr, n_miss)
     tl.store(clock_ptr, now)
     if COUNT_USES:
-        count_uses(uses_ptr, base, in_chunk, e_idx, e_mask, USE_CAP)
+        count_uses(uses_ptr, base, in_chunk, e_idx, e_mask, n_uses, BLOCK_E, USE_CAP)
 
 
 def ensure_experts(state: CacheState, layer: int, topk_ids: torch.Tensor, slot_ids: torch.Tensor | None = None,
@@ -172,7 +179,7 @@ def ensure_experts(state: CacheState, layer: int, topk_ids: torch.Tensor, slot_i
         state.slot_of_id, state.id_of_slot, state.last_use, state.clock,
         ids, slot_ids, state.job_src, state.job_dst, state.job_count,
         state.hits, state.misses, state.fetched, state.work, state.uses,
-        layer, N, E, S, chunk * C, C,
+        layer, N, E, S, chunk * C, C, state.uses.numel(),
         BLOCK_N=min(1024, triton.next_power_of_2(N)), BLOCK_E=triton.next_power_of_2(E), BLOCK_S=BLOCK_S,
         LFU=lfu, COUNT_USES=count_uses, USE_SHIFT=USE_SHIFT, USE_CAP=USE_CAP,
         num_warps=4 if BLOCK_S <= 2048 else 8 if BLOCK_S <= 8192 else 16,

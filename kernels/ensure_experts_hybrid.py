@@ -126,7 +126,7 @@ def _split_kernel():
         # this call: routes in, the two route sets out, the Q16 fraction
         topk_ids_ptr, gpu_ids_ptr, cpu_ids_ptr, f_q16_ptr, warm_ptr,
         # sizes (K: warm ids, 0 = none)
-        layer, N, E, S, max_fetch, K,
+        layer, N, E, S, max_fetch, K, n_uses,
         # meta-parameters
         BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, LFU: tl.constexpr,
         USE_CAP: tl.constexpr,
@@ -172,7 +172,7 @@ def _split_kernel():
             tl.store(gpu_ids_ptr + n_idx, tl.where(valid & (flag == 0), ids, -1), mask=n_idx < N)
             tl.store(cpu_ids_ptr + n_idx, tl.where(valid & (flag != 0), ids, -1), mask=n_idx < N)
         tl.store(misses_ptr + layer, tl.load(misses_ptr + layer) + (M - F))
-        count_uses(uses_ptr, base, present, e_idx, e_mask, USE_CAP)
+        count_uses(uses_ptr, base, present, e_idx, e_mask, n_uses, BLOCK_E, USE_CAP)
 
     _KERNEL = _split_misses_kernel
     return _KERNEL
@@ -201,7 +201,7 @@ def ensure_experts_hybrid(state: CacheState, layer: int, topk_ids: torch.Tensor,
         state.slot_of_id, state.misses, state.work, state.uses,
         ids, gpu_ids, cpu_ids, host_arg(kernel, f_q16) if f_q16.device != ids.device else f_q16,
         warm_ids if warm_ids is not None else ids,
-        layer, N, E, state.num_slots, max_fetch, warm_ids.numel() if warm_ids is not None else 0,
+        layer, N, E, state.num_slots, max_fetch, warm_ids.numel() if warm_ids is not None else 0, state.uses.numel(),
         BLOCK_N=min(1024, triton.next_power_of_2(N)), BLOCK_E=triton.next_power_of_2(E),
         BLOCK_K=triton.next_power_of_2(max(warm_ids.numel() if warm_ids is not None else 1, 1)), LFU=lfu,
         USE_CAP=USE_CAP,

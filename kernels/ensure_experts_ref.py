@@ -15,9 +15,13 @@ _PROTECTED = 1 << 46
 # One program holds all S slots in registers; beyond this the kernel would need a blocked LRU scan.
 MAX_SLOTS = 1 << 16
 # lfu (--moe-cache-policy): a slot's priority is uses << USE_SHIFT | (last_use mod 2^USE_SHIFT), below
-# _PROTECTED as long as uses < USE_CAP. A layer's counts are halved when one reaches USE_CAP (old traffic
-# fades); the clock's low 36 bits wrap after ~2^36 calls (about a year of decode at 24 layers x 100 tok/s),
-# which only reorders equal counts once.
+# _PROTECTED as long as uses < USE_CAP. When a count of any layer reaches USE_CAP, the counts of every
+# layer are halved: old traffic fades, and all layers keep one scale, since their slots are one pool that
+# eviction compares across layers (halving one layer alone made its experts look half as used as the
+# others'; benchmarks/sim_expert_cache.py, with caps low enough to age: 0.1-4.6 % fewer misses than halving
+# per layer; docs/benchmarks.md). 1024 ages only in long-running servers; faster aging helped some traces
+# and hurt others. The clock's low 36 bits wrap after ~2^36 calls (about a year of decode at 24 layers x
+# 100 tok/s), which only reorders equal counts once.
 USE_CAP = 1 << 10
 USE_SHIFT = 36
 
@@ -30,7 +34,7 @@ class CacheState:
     clock [1] int64 (LRU time of the last call) · job_src / job_dst [C] int32 + job_count [1] int32 (the
     copy jobs of the last call) · hits / misses / fetched [L] int64 (accumulated, read on demand) ·
     work [E] int32 (scratch of the Triton kernel) · uses [L*E] int32 (calls that routed to each expert,
-    halved per layer at USE_CAP: the lfu policy's counts).
+    all halved when one reaches USE_CAP: the lfu policy's counts).
     """
 
     slot_of_id: torch.Tensor
@@ -108,12 +112,12 @@ def num_chunks(state: CacheState, num_routes: int) -> int:
 
 
 def count_uses_(state: CacheState, layer: int, routed: torch.Tensor) -> None:
-    """uses[layer] += routed ([E] bool), then halved if any count reached USE_CAP."""
+    """uses[layer] += routed ([E] bool); then, if one of them reached USE_CAP, every layer's uses halved."""
     E = state.num_experts
-    counts = state.uses[layer * E: (layer + 1) * E] + routed.int()
+    counts = state.uses[layer * E: (layer + 1) * E]
+    counts += routed.int()
     if int(counts.max()) >= USE_CAP:
-        counts = counts >> 1
-    state.uses[layer * E: (layer + 1) * E] = counts
+        state.uses.bitwise_right_shift_(1)
 
 
 def ensure_experts_reference(state: CacheState, layer: int, topk_ids: torch.Tensor,

@@ -8,17 +8,25 @@ import json
 
 import pytest
 
+from benchmarks import sim_expert_cache
 from benchmarks.sim_expert_cache import SlotCache, main, record_trace
+from kernels import ensure_experts_hybrid, ensure_experts_ref
 from services.engine.config import EngineConfig
 from services.engine.models.registry import load_model
 
 MODEL = "synthetic:qwen3-moe-mini?layers=2"  # E = 128, top-8: misses on every call at a 30 % cache
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lfu-aging"])
 @pytest.mark.parametrize("backend, max_fetch", [("offload", -1), ("hybrid", 2)])
-def test_replay_reproduces_the_engines_counters(backend, max_fetch, policy):
-    """The replay of the engine's policy (lru: lru + lowest-id; lfu: lfu + most-used) gives its counters."""
+def test_replay_reproduces_the_engines_counters(backend, max_fetch, policy, monkeypatch):
+    """The replay of the engine's policy (lru: lru + lowest-id; lfu: lfu + most-used) gives its counters;
+    lfu-aging: with the use cap at 4, so that counts halve (every layer's) many times within the trace."""
+    aging = policy == "lfu-aging"
+    if aging:
+        policy = "lfu"
+        for module in (ensure_experts_ref, ensure_experts_hybrid, sim_expert_cache):  # each holds USE_CAP
+            monkeypatch.setattr(module, "USE_CAP", 4)
     extra = {"moe_hybrid_max_fetch": max_fetch} if backend == "hybrid" else {}
     lm = load_model(EngineConfig(model=MODEL, device="cpu", dtype="float32", moe_backend=backend, moe_cache_rate=0.3,
                                  moe_cache_policy=policy, max_seq_len=64, **extra))
@@ -33,6 +41,8 @@ def test_replay_reproduces_the_engines_counters(backend, max_fetch, policy):
         assert len(calls) == 2 * 25
         assert (sim.hits, sim.misses) == (counters["hits"], counters["misses"])
         assert sim.uses.tolist() == lm.model.backend.cache.state.uses.tolist()
+        # one use per expert present in a call, as many as hits + misses, until a halving takes some away
+        assert (sim.uses.sum() < sim.hits + sim.misses) if aging else (sim.uses.sum() == sim.hits + sim.misses)
         assert counters["misses"] > counters["hits"] > 0  # the cache both hit and missed
     finally:
         close = getattr(lm.model.backend, "close", None)

@@ -126,13 +126,17 @@ def test_lfu_evicts_the_least_used_then_the_oldest(lfu, evicted, device):
     assert ref.uses.tolist() == [3, 1, 1, 1, 0, 0]  # one use per call that routed to the expert
 
 
-def test_use_counts_halve_at_the_cap(device):
-    """A layer whose count reaches USE_CAP has all its counts halved (old traffic fades); other layers not."""
-    state = CacheState.allocate(2, 4, 4, device)
-    state.uses[:] = torch.tensor([USE_CAP - 1, 10, 3, 0, USE_CAP - 1, 7, 7, 7], dtype=torch.int32, device=device)
+def test_use_counts_halve_at_the_cap_in_every_layer(device):
+    """Once a count reaches USE_CAP, every layer's counts are halved: old traffic fades, on one scale for the
+    one slot pool (3 layers of 3 experts: the kernel halves the table in [4]-wide blocks, the last partial).
+    Below the cap nothing is halved."""
+    state = CacheState.allocate(3, 3, 4, device)
+    state.uses[:] = torch.tensor([USE_CAP - 2, 10, 3, USE_CAP - 1, 7, 6, 5, 0, 1], dtype=torch.int32, device=device)
     ref = state.clone()
     run_both(state, ref, 0, torch.tensor([[0, 2]], device=device))
-    assert ref.uses.tolist() == [USE_CAP // 2, 5, 2, 0, USE_CAP - 1, 7, 7, 7]
+    assert ref.uses.tolist() == [USE_CAP - 1, 10, 4, USE_CAP - 1, 7, 6, 5, 0, 1]  # layer 1's cap - 1 is not its
+    run_both(state, ref, 0, torch.tensor([[0]], device=device))
+    assert ref.uses.tolist() == [USE_CAP // 2, 5, 2, (USE_CAP - 1) // 2, 3, 3, 2, 0, 0]
 
 
 def test_step_experts_are_never_evicted(device):

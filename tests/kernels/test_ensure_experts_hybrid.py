@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.ensure_experts_hybrid import ensure_experts_hybrid, ensure_experts_hybrid_reference
-from kernels.ensure_experts_ref import CacheState
+from kernels.ensure_experts_ref import USE_CAP, CacheState
 from services.engine.moe.split import Q16, fetch_count_q16, fraction_to_q16
 from tests.kernels.test_ensure_experts import assert_consistent, assert_same, random_state
 
@@ -172,3 +172,17 @@ def test_lfu_fetches_the_most_used_misses(warmed, device):
     assert fetched == ([1, 4] if warmed else [1, 3])  # 3 (9 uses) unless warmed, then 1 and 4 (5, lower id first)
     assert sorted(e for e in want[1].flatten().tolist() if e >= 0) == sorted({0, 1, 2, 3, 4} - set(fetched))
     assert ref.uses.tolist() == [1, 6, 3, 10, 6, 0, 0, 0]
+
+
+def test_the_split_halves_every_layers_counts_at_the_cap(device):
+    """The split counts the step's uses (the ensure after it does not again): when one reaches USE_CAP,
+    all layers' counts halve, as in kernels/ensure_experts.py; kernel == reference."""
+    state = CacheState.allocate(2, 3, 6, device)
+    state.uses[:] = torch.tensor([4, USE_CAP - 1, 0, 9, 2, 1], dtype=torch.int32, device=device)
+    ref = state.clone()
+    ids = torch.tensor([[1, 2]], device=device)
+    got = ensure_experts_hybrid(state, 0, ids, q16(Q16 // 2, device), lfu=True)
+    want = ensure_experts_hybrid_reference(ref, 0, ids, q16(Q16 // 2, device), lfu=True)
+    assert all(torch.equal(g.cpu(), w.cpu()) for g, w in zip(got, want))
+    assert_same(state, ref)
+    assert ref.uses.tolist() == [2, USE_CAP // 2, 0, 4, 1, 0]
