@@ -1,0 +1,54 @@
+"""Compile the expert-cache kernels (kernels/ensure_experts*.py, lru and lfu) for sm_90 with the Triton
+wheel's own ptxas, no GPU needed: what the interpreter lets through but the compiler rejects (a branch on a
+reduced value, a loop of runtime length) fails here. Run by test_compile_sm90.py in a process of its own,
+since the kernel tests' TRITON_INTERPRET must stay unset here; prints one line per compiled kernel."""
+
+import inspect
+import os
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+assert not os.environ.get("TRITON_INTERPRET"), "the compiler, not the interpreter: unset TRITON_INTERPRET"
+
+import kernels.ensure_experts as ensure  # noqa: E402
+import kernels.ensure_experts_hybrid as hybrid  # noqa: E402
+from kernels.ensure_experts_ref import USE_CAP, USE_SHIFT, CacheState  # noqa: E402
+
+POINTER = {torch.int32: "*i32", torch.int64: "*i64"}
+TARGET = GPUTarget("cuda", 90, 32)  # the H200
+
+
+def compile_kernel(kernel, tensors: dict[str, torch.Tensor], constexprs: dict) -> int:
+    """Cubin bytes of ``kernel`` with pointers typed from ``tensors`` (by parameter name), the other
+    non-constexpr parameters i32."""
+    params = inspect.signature(kernel.fn).parameters
+    signature = {n: "constexpr" if n in constexprs else POINTER[tensors[n].dtype] if n in tensors else "i32"
+                 for n in params}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=TARGET,
+                              options={"num_warps": 4})
+    return len(compiled.asm["cubin"])
+
+
+def main() -> None:
+    state = CacheState.allocate(24, 128, 1014, torch.device("cpu"))  # the 24-layer geometry at a third cached
+    ids = torch.zeros(1, 8, dtype=torch.int64)
+    tables = {f"{name}_ptr": getattr(state, name) for name in ("slot_of_id", "id_of_slot", "last_use", "clock",
+              "job_src", "job_dst", "job_count", "hits", "misses", "fetched", "work", "uses")}
+    split = hybrid._split_kernel()
+    for lfu in (False, True):
+        n = compile_kernel(ensure._ensure_experts_kernel,
+                           {**tables, "topk_ids_ptr": ids, "slot_ids_ptr": ids.int()},
+                           dict(BLOCK_N=8, BLOCK_E=128, BLOCK_S=1024, LFU=lfu, COUNT_USES=True,
+                                USE_SHIFT=USE_SHIFT, USE_CAP=USE_CAP))
+        print(f"ensure_experts lfu={lfu}: {n} bytes")
+        n = compile_kernel(split, {**tables, "topk_ids_ptr": ids, "gpu_ids_ptr": ids, "cpu_ids_ptr": ids,
+                                   "warm_ptr": ids, "f_q16_ptr": torch.zeros(1, dtype=torch.int32)},
+                           dict(BLOCK_N=8, BLOCK_E=128, BLOCK_K=1, LFU=lfu, USE_CAP=USE_CAP))
+        print(f"split_misses lfu={lfu}: {n} bytes")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""The expert-cache kernels compile for the H200 (sm_90) on a machine without a GPU; see
+compile_ensure_sm90.py. A fresh Triton cache, so a kernel compiled before cannot stand in for this one."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_ensure_kernels_compile_for_sm90(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton"), PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-m", "tests.kernels.compile_ensure_sm90"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.split("\n")
+    for kernel in ("ensure_experts", "split_misses"):
+        for lfu in (False, True):
+            line = next(x for x in lines if x.startswith(f"{kernel} lfu={lfu}:"))
+            assert int(line.split()[2]) > 0
