@@ -40,7 +40,7 @@ def count_uses(uses_ptr, base, routed, e_idx, e_mask, n_uses, BLOCK_E: tl.conste
     Shared by the ensure kernels."""
     counts = tl.load(uses_ptr + base + e_idx, mask=e_mask, other=0) + routed.to(tl.int32)
     tl.store(uses_ptr + base + e_idx, counts, mask=e_mask)
-    if tl.max(counts, axis=0) >= USE_CAP:  # rare (every few dozen tokens): only then the whole table
+    if tl.max(counts, axis=0) >= USE_CAP:  # rare: once per ~USE_CAP / 2 routes to the hottest expert
         tl.debug_barrier()
         for i0 in range(0, n_uses, BLOCK_E):
             idx = i0 + e_idx
