@@ -7,7 +7,7 @@ step gpu-tests; timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kerne
   tests/kernels/test_ensure_experts_hybrid.py tests/engine/moe 2>&1 | grep -E "^E |FAILED|passed|failed" | head -20
 build
 ceilings 35
-C=hybrid,hybrid+lfu
+C=hybrid+lru,hybrid+lfu  # (written `hybrid` when lru was the default)
 step one-process; timeout 240 python3 -m benchmarks.bench_hybrid_split --cache-rate 0.33 --configs $C,$C,$C \
   --json $OUT/split35.json 2>&1 | grep -vE "INFO|building|it/s|config/s" | tail -10
 step placement; timeout 90 python3 -m benchmarks.bench_cpu_stream --pages huge --prefetch 4096:l2 --allocations 6 \

@@ -8,16 +8,16 @@ step interpreter-tests; timeout 60 python3 -m pytest -q -p no:cacheprovider test
   -k "posted_row or under_the_interpreter or offload_with_triton" 2>&1 | grep -E "SKIP|passed|failed|skipped" | head
 build
 ceilings 37
-C=hybrid+lfu,hybrid
+C=hybrid+lfu,hybrid+lru  # (written `hybrid` when lru was the default)
 step one-process; timeout 200 python3 -m benchmarks.bench_hybrid_split --cache-rate 0.33 --configs $C,$C,$C,$C,$C,$C \
   --json $OUT/split37.json 2>&1 | grep -vE "INFO|building|it/s|config/s" | tail -14
 BENCH="python3 -m benchmarks.bench_decode_moe --model $M24 --cache-rate 0.33 --decode-tokens 128 --warmup-tokens 384
   --warmup-prompt-index 1 --startup-timeout 100 --ceilings $OUT/physlimits37.json --json $OUT/decode_run37.jsonl"
 for i in 1 2 3; do
   step "round $i lfu"; timeout 75 $BENCH --backend hybrid --server-arg=--moe-cache-policy=lfu --log-dir runs/f_$i 2>&1 | row
-  step "round $i lru"; timeout 75 $BENCH --backend hybrid --log-dir runs/l_$i 2>&1 | row
+  step "round $i lru"; timeout 75 $BENCH --backend hybrid --server-arg=--moe-cache-policy=lru --log-dir runs/l_$i 2>&1 | row
 done
-step "auto lru"; timeout 90 $BENCH --backend auto --log-dir runs/a 2>&1 | row
+step "auto lru"; timeout 90 $BENCH --backend auto --server-arg=--moe-cache-policy=lru --log-dir runs/a 2>&1 | row
 python3 - <<'PY'
 import json, os
 for line in open(os.environ["OUT"] + "/decode_run37.jsonl"):
