@@ -20,6 +20,7 @@ host as the server does:
     ...+lru      any of them with the LRU cache policy (--moe-cache-policy lru; without it: the engine's default,
                  lfu, or lru with +pP)
     ...+lfu      any of them with the LFU cache policy (--moe-cache-policy lfu; not with +pP)
+    ...+cN       lfu's use counts halved, every layer's, when one reaches N (--moe-cache-lfu-cap N)
 
 Per config: ms/token (mean, p50, p99), misses, fetched and CPU experts per layer, and for hybrid/cpu the
 per-layer GPU side (signal -> wait entry: copy of the fetched experts + GEMM of the resident ones), how
@@ -44,7 +45,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from services.engine.config import EngineConfig, MoEBackend
+from services.engine.config import LFU_CAP_MAX, EngineConfig, MoEBackend
 from services.engine.models.registry import load_model, pin_banks
 from services.engine.moe.backends import BackendContext
 from services.engine.moe.hybrid import HybridBackend
@@ -62,26 +63,29 @@ class Config:
     cpu_threads: int = 0  # --moe-cpu-threads (0: the engine's default)
     warm: int = 0  # --moe-cpu-warm
     policy: str | None = None  # --moe-cache-policy lru | lfu (None: the engine's default)
+    lfu_cap: int | None = None  # --moe-cache-lfu-cap (None: the engine's default)
 
 
 def parse_config(config: str) -> Config:
-    """'KIND[:N][+pP][+tT][+wW][+lru|+lfu]' (KIND offload | cpu | hybrid; :N hybrid's fixed cap; +pP
-    --moe-prefetch P; +tT --moe-cpu-threads T; +wW --moe-cpu-warm W, cpu/hybrid only; +lru / +lfu
-    --moe-cache-policy, lfu not with +pP) -> Config; SystemExit naming a bad one."""
+    """'KIND[:N][+pP][+tT][+wW][+cN][+lru|+lfu]' (KIND offload | cpu | hybrid; :N hybrid's fixed cap; +pP
+    --moe-prefetch P; +tT --moe-cpu-threads T; +wW --moe-cpu-warm W, cpu/hybrid only; +cN
+    --moe-cache-lfu-cap N; +lru / +lfu --moe-cache-policy, lfu not with +pP) -> Config; SystemExit naming a
+    bad one."""
     head, *options = config.split("+")
     kind, _, cap = head.partition(":")
     policies = [o for o in options if o in ("lru", "lfu")]
     options = [o for o in options if o not in policies]
     flags = {o[:1]: o[1:] for o in options}
     bad = (kind not in ("offload", "cpu", "hybrid") or (cap and (kind != "hybrid" or not cap.isdigit()))
-           or len(flags) != len(options) or any(k not in "ptw" or not v.isdigit() for k, v in flags.items())
-           or (kind == "offload" and "w" in flags) or len(policies) > 1 or ("lfu" in policies and "p" in flags))
+           or len(flags) != len(options) or any(k not in "ptwc" or not v.isdigit() for k, v in flags.items())
+           or (kind == "offload" and "w" in flags) or len(policies) > 1 or ("lfu" in policies and "p" in flags)
+           or not 2 <= int(flags.get("c", 2)) <= LFU_CAP_MAX)
     if bad:
         raise SystemExit(f"bench_hybrid_split: --configs: unknown config {config!r} "
                          "(offload | cpu | hybrid | hybrid:N, then optional +pP, +tT, +wW (not for offload) "
-                         "and one of +lru, +lfu (lfu not with +pP))")
+                         f"+cN (N in 2..{LFU_CAP_MAX}) and one of +lru, +lfu (lfu not with +pP))")
     return Config(kind, int(cap) if cap else -1, int(flags.get("p", 0)), int(flags.get("t", 0)), int(flags.get("w", 0)),
-                  policies[0] if policies else None)
+                  policies[0] if policies else None, int(flags["c"]) if "c" in flags else None)
 
 
 def build(lm, config: str, num_slots: int):
@@ -89,7 +93,7 @@ def build(lm, config: str, num_slots: int):
     c = parse_config(config)
     cfg = EngineConfig(model=lm.model_id, device=lm.device.type, moe_backend=c.kind, moe_hybrid_max_fetch=c.max_fetch,
                        moe_prefetch=c.prefetch, moe_cpu_threads=c.cpu_threads, moe_cpu_warm=c.warm,
-                       moe_cache_policy=c.policy)
+                       moe_cache_policy=c.policy, **({"moe_cache_lfu_cap": c.lfu_cap} if c.lfu_cap else {}))
     ctx = BackendContext(lm.banks, cfg, lm.device, lm.dtype, lm.spec.top_k, lm.model.non_expert_nbytes(),
                          next_layer_predictors=next_layer_predictors(lm.model) if c.prefetch or c.warm else None)
     if c.kind == "offload":
@@ -162,7 +166,8 @@ def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict
                "ms_p50": 1e3 * statistics.median(times), "ms_p99": 1e3 * sorted(times)[int(0.99 * (len(times) - 1))],
                "misses_per_layer": misses / layers, "fetched_per_layer": fetched / layers,
                "prefetched_per_layer": ahead / layers,
-               "miss_rate": misses / (layers * lm.spec.top_k), "cache_policy": "lfu" if backend.cache.lfu else "lru"}
+               "miss_rate": misses / (layers * lm.spec.top_k), "cache_policy": "lfu" if backend.cache.lfu else "lru",
+               "lfu_cap": backend.cache.use_cap}
         row["tok_s"] = 1e3 / row["ms_per_token"]
         if stamps is not None:
             poll = handoff.poll_stats()
@@ -298,8 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-rate", type=float, default=0.33, help="share of all experts given GPU slots")
     p.add_argument("--configs", default="offload,cpu,hybrid:1,hybrid:2,hybrid:3,hybrid:4,hybrid",
                    help="comma list of offload | cpu | hybrid | hybrid:N, each optionally followed by +pP (prefetch P), "
-                        "+tT (T CPU workers), +wW (CPU cache warm W) and +lru or +lfu (cache policy; default: the "
-                        "engine's), e.g. hybrid+p2+t14 (default: %(default)s)")
+                        "+tT (T CPU workers), +wW (CPU cache warm W), +cN (lfu use-count cap N) and +lru or +lfu "
+                        "(cache policy; default: the engine's), e.g. hybrid+p2+t14 (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=128, help="timed decode tokens per config")
     p.add_argument("--warmup", type=int, default=320,
                    help="untimed decode tokens per config first (the controller's split search settles in ~250)")

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from kernels.ensure_experts_ref import USE_CAP, USE_SHIFT
+from kernels.ensure_experts_ref import USE_CAP, USE_SHIFT, check_use_cap
 from services.engine.moe.hybrid import DECODE_MAX_ROUTES  # above: a call takes the offload path (every miss fetched)
 
 Q16 = 1 << 16
@@ -88,9 +88,11 @@ class SlotCache:
     """The slot cache's tables and one policy, in numpy: ``call(layer, routes)`` is one backend call."""
 
     def __init__(self, num_layers: int, num_experts: int, num_slots: int, fetch_fraction: float = 1.0,
-                 max_fetch: int = -1, evict: str = "lru", fetch: str = "lowest-id"):
+                 max_fetch: int = -1, evict: str = "lru", fetch: str = "lowest-id", use_cap: int = USE_CAP):
         if evict not in EVICT or fetch not in FETCH:
             raise ValueError(f"unknown policy: evict {evict!r}, fetch {fetch!r}")
+        check_use_cap(use_cap)
+        self.use_cap = use_cap  # every layer's counts halve when one reaches it (--moe-cache-lfu-cap)
         self.E, self.S = num_experts, num_slots
         self.q16, self.max_fetch, self.evict, self.fetch = round(fetch_fraction * Q16), max_fetch, evict, fetch
         self.slot_of_id = np.full(num_layers * num_experts, -1, dtype=np.int64)
@@ -130,10 +132,10 @@ class SlotCache:
             self._ensure(base, hits, fetched)
 
     def _count(self, base: int, experts: list[int]) -> None:
-        """One use per expert; every layer's counts halved once one of these reaches USE_CAP (as the kernels)."""
+        """One use per expert; every layer's counts halved once one of these reaches use_cap (as the kernels)."""
         layer = self.uses[base: base + self.E]
         layer[experts] += 1
-        if layer.max() >= USE_CAP:
+        if layer.max() >= self.use_cap:
             self.uses >>= 1
 
     def _lookup(self, base: int, experts: list[int]) -> tuple[list[int], list[int]]:
@@ -181,10 +183,10 @@ def next_uses(calls: list[list[int]]) -> list[dict[int, int]]:
 
 
 def replay(trace: dict, cache_rate: float, fetch_fraction: float, evict: str, fetch: str, warmup: int,
-           max_fetch: int = -1) -> dict:
+           max_fetch: int = -1, use_cap: int = USE_CAP) -> dict:
     """Miss rate of one policy over the trace's decode calls after ``warmup`` tokens."""
     L, E = trace["layers"], trace["experts"]
-    cache = SlotCache(L, E, math.ceil(cache_rate * L * E), fetch_fraction, max_fetch, evict, fetch)
+    cache = SlotCache(L, E, math.ceil(cache_rate * L * E), fetch_fraction, max_fetch, evict, fetch, use_cap)
     calls = trace["calls"]
     future = next_uses(calls) if evict == "belady" else [None] * len(calls)
     first_measured = trace["last_request_start"] + trace["prefill_calls"] + warmup * L
@@ -215,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-rate", type=float, default=0.33, help="share of all experts with a slot (default: %(default)s)")
     p.add_argument("--fetch-fraction", default="1,0.28",
                    help="comma list of f: 1 = offload, below = hybrid's split (default: %(default)s)")
+    p.add_argument("--lfu-cap", type=int, default=USE_CAP,
+                   help="lfu's use counts, every layer's, halve when one reaches this (the engine's "
+                        "--moe-cache-lfu-cap; lower ages faster) (default: %(default)s)")
     p.add_argument("--trace", type=Path, help="replay this trace (from --trace-out) instead of tracing")
     p.add_argument("--trace-out", type=Path, help="write the trace here")
     p.add_argument("--json", type=Path, help="write the rows here")
@@ -225,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--fetch-fraction: expected a comma list of numbers, got {args.fetch_fraction!r}")
     if args.requests < 1:
         p.error(f"--requests must be at least 1, got {args.requests}")
+    if not 2 <= args.lfu_cap <= USE_CAP:
+        p.error(f"--lfu-cap must be in [2, {USE_CAP}], got {args.lfu_cap}")
     if not all(0 <= f <= 1 for f in fractions) or not 0 < args.cache_rate <= 1:
         p.error("--fetch-fraction values and --cache-rate must lie in [0, 1] (cache rate above 0)")
     if args.trace:
@@ -247,11 +254,12 @@ def main(argv: list[str] | None = None) -> int:
             args.trace_out.write_text(json.dumps(trace))
     if args.warmup >= trace["tokens"]:
         p.error(f"--warmup {args.warmup} leaves none of the trace's {trace['tokens']} tokens to measure")
-    rows = [replay(trace, args.cache_rate, f, evict, fetch, args.warmup)
+    rows = [replay(trace, args.cache_rate, f, evict, fetch, args.warmup, use_cap=args.lfu_cap)
             for f in fractions for evict in EVICT for fetch in FETCH
             if (f < 1 and evict != "belady") or fetch == "lowest-id"]  # offload: no order to choose
     print(f"{trace['model']}: {trace['requests']} x {trace['tokens']} decode tokens, {rows[0]['slots']} slots "
-          f"({args.cache_rate:.0%} of {trace['layers']} x {trace['experts']} experts), measured after {args.warmup}")
+          f"({args.cache_rate:.0%} of {trace['layers']} x {trace['experts']} experts), measured after {args.warmup}, "
+          f"lfu cap {args.lfu_cap}")
     print(f"{'f':>5} | {'evict':>6} | {'fetch':>9} | miss rate | vs lru + lowest-id (--moe-cache-policy lru) "
           "(belady: the bound, it reads the future)")
     for r in rows:
@@ -260,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['fetch_fraction']:5.2f} | {r['evict']:>6} | {r['fetch']:>9} | {r['miss_rate']:9.3f} | "
               f"{r['miss_rate'] / base['miss_rate'] - 1:+.1%}")
     if args.json:
-        args.json.write_text(json.dumps({"model": trace["model"], "tokens": trace["tokens"], "rows": rows}, indent=2))
+        args.json.write_text(json.dumps({"model": trace["model"], "tokens": trace["tokens"], "lfu_cap": args.lfu_cap,
+                                         "rows": rows}, indent=2))
     return 0
 
 

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.ensure_experts_ref import USE_CAP, USE_SHIFT, CacheState, check_args  # noqa: F401
+from kernels.ensure_experts_ref import USE_CAP, USE_SHIFT, CacheState, check_args, check_use_cap  # noqa: F401
 from kernels.ensure_experts_ref import ensure_experts_reference, num_chunks  # noqa: F401 (re-exported)
 
 
@@ -165,10 +165,11 @@ def _ensure_experts_kernel(
 
 
 def ensure_experts(state: CacheState, layer: int, topk_ids: torch.Tensor, slot_ids: torch.Tensor | None = None,
-                   chunk: int = 0, lfu: bool = False, count_uses: bool = True) -> torch.Tensor:
+                   chunk: int = 0, lfu: bool = False, count_uses: bool = True, use_cap: int = USE_CAP) -> torch.Tensor:
     """Triton launcher. topk_ids [T, A] (expert ids of ``layer``, -1 = skip) -> slot_ids [T, A] int32
     (slot of each route in this chunk, else -1); ``state`` is updated in place (module docstring)."""
     check_args(state, layer, topk_ids, chunk)
+    check_use_cap(use_cap)
     T, A = topk_ids.shape
     if slot_ids is None:
         slot_ids = torch.empty((T, A), dtype=torch.int32, device=topk_ids.device)
@@ -181,7 +182,7 @@ def ensure_experts(state: CacheState, layer: int, topk_ids: torch.Tensor, slot_i
         state.hits, state.misses, state.fetched, state.work, state.uses,
         layer, N, E, S, chunk * C, C, state.uses.numel(),
         BLOCK_N=min(1024, triton.next_power_of_2(N)), BLOCK_E=triton.next_power_of_2(E), BLOCK_S=BLOCK_S,
-        LFU=lfu, COUNT_USES=count_uses, USE_SHIFT=USE_SHIFT, USE_CAP=USE_CAP,
+        LFU=lfu, COUNT_USES=count_uses, USE_SHIFT=USE_SHIFT, USE_CAP=use_cap,
         num_warps=4 if BLOCK_S <= 2048 else 8 if BLOCK_S <= 8192 else 16,
     )
     return slot_ids

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.ensure_experts_ref import USE_CAP, CacheState, _check, count_uses_, ensure_experts_reference
+from kernels.ensure_experts_ref import USE_CAP, CacheState, _check, check_use_cap, count_uses_, ensure_experts_reference
 
 Q16 = 1 << 16
 
@@ -56,10 +56,11 @@ def _check_split(state: CacheState, layer: int, topk_ids: torch.Tensor, f_q16: t
 
 def split_misses_reference(state: CacheState, layer: int, topk_ids: torch.Tensor, f_q16: torch.Tensor,
                            max_fetch: int = -1, warm_ids: torch.Tensor | None = None,
-                           lfu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                           lfu: bool = False, use_cap: int = USE_CAP) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 1 of the module docstring: topk_ids [T, A] -> (gpu_ids [T, A], cpu_ids [T, A]) int64;
     adds the unfetched misses to ``state.misses[layer]``. warm_ids [K] (-1 = none): kept for the CPU."""
     _check_split(state, layer, topk_ids, f_q16, warm_ids)
+    check_use_cap(use_cap)
     E, S = state.num_experts, state.num_slots
     ids = topk_ids.reshape(-1).long()  # [N]
     valid = (ids >= 0) & (ids < E)
@@ -90,17 +91,17 @@ def split_misses_reference(state: CacheState, layer: int, topk_ids: torch.Tensor
     gpu_ids = torch.where(valid & ~route_cpu, ids, minus).view(topk_ids.shape)
     cpu_ids = torch.where(route_cpu, ids, minus).view(topk_ids.shape)
     state.misses[layer] += M - F
-    count_uses_(state, layer, present)
+    count_uses_(state, layer, present, use_cap)
     return gpu_ids, cpu_ids
 
 
 def ensure_experts_hybrid_reference(state: CacheState, layer: int, topk_ids: torch.Tensor, f_q16: torch.Tensor,
-                                    max_fetch: int = -1, warm_ids: torch.Tensor | None = None, lfu: bool = False
-                                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                                    max_fetch: int = -1, warm_ids: torch.Tensor | None = None, lfu: bool = False,
+                                    use_cap: int = USE_CAP) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch twin of :func:`ensure_experts_hybrid` (same arguments, same results bit for bit)."""
-    gpu_ids, cpu_ids = split_misses_reference(state, layer, topk_ids, f_q16, max_fetch, warm_ids, lfu)
+    gpu_ids, cpu_ids = split_misses_reference(state, layer, topk_ids, f_q16, max_fetch, warm_ids, lfu, use_cap)
     slot_ids = torch.empty(topk_ids.shape, dtype=torch.int64, device=topk_ids.device)
-    ensure_experts_reference(state, layer, gpu_ids, slot_ids, lfu=lfu, count_uses=False)
+    ensure_experts_reference(state, layer, gpu_ids, slot_ids, lfu=lfu, count_uses=False, use_cap=use_cap)
     return slot_ids, cpu_ids
 
 
@@ -180,7 +181,7 @@ def _split_kernel():
 
 def ensure_experts_hybrid(state: CacheState, layer: int, topk_ids: torch.Tensor, f_q16: torch.Tensor,
                           max_fetch: int = -1, warm_ids: torch.Tensor | None = None,
-                          lfu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                          lfu: bool = False, use_cap: int = USE_CAP) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher. topk_ids [T, A] expert ids of ``layer`` (-1 = skip) · f_q16 [1] int32 on the device
     (Q16 fetch fraction) · max_fetch (-1 = no cap, 0 = every miss on the CPU) -> (slot_ids [T, A] int64: the
     GPU slot of each hit/fetched route else -1, cpu_ids [T, A] int64: the expert of each CPU route else
@@ -189,6 +190,7 @@ def ensure_experts_hybrid(state: CacheState, layer: int, topk_ids: torch.Tensor,
     from kernels.ensure_experts import ensure_experts
 
     _check_split(state, layer, topk_ids, f_q16, warm_ids)
+    check_use_cap(use_cap)
     kernel = _split_kernel()
     T, A = topk_ids.shape
     ids = topk_ids.contiguous()
@@ -204,8 +206,8 @@ def ensure_experts_hybrid(state: CacheState, layer: int, topk_ids: torch.Tensor,
         layer, N, E, state.num_slots, max_fetch, warm_ids.numel() if warm_ids is not None else 0, state.uses.numel(),
         BLOCK_N=min(1024, triton.next_power_of_2(N)), BLOCK_E=triton.next_power_of_2(E),
         BLOCK_K=triton.next_power_of_2(max(warm_ids.numel() if warm_ids is not None else 1, 1)), LFU=lfu,
-        USE_CAP=USE_CAP,
+        USE_CAP=use_cap,  # the miss ranking only needs it above every count, which it is
     )
     slot_ids = torch.empty((T, A), dtype=torch.int64, device=ids.device)
-    ensure_experts(state, layer, gpu_ids, slot_ids, lfu=lfu, count_uses=False)
+    ensure_experts(state, layer, gpu_ids, slot_ids, lfu=lfu, count_uses=False, use_cap=use_cap)
     return slot_ids, cpu_ids

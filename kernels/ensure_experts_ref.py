@@ -19,8 +19,9 @@ MAX_SLOTS = 1 << 16
 # layer are halved: old traffic fades, and all layers keep one scale, since their slots are one pool that
 # eviction compares across layers (halving one layer alone made its experts look half as used as the
 # others'; benchmarks/sim_expert_cache.py, with caps low enough to age: 0.1-4.6 % fewer misses than halving
-# per layer; docs/benchmarks.md). 1024 ages only in long-running servers; faster aging helped some traces
-# and hurt others. The clock's low 36 bits wrap after ~2^36 calls (about a year of decode at 24 layers x
+# per layer; docs/benchmarks.md). The cap is the caller's (``use_cap``, --moe-cache-lfu-cap), at most
+# USE_CAP so that uses << USE_SHIFT stays below _PROTECTED; USE_CAP ages only in long-running servers, and
+# faster aging helped some traces and hurt others. The clock's low 36 bits wrap after ~2^36 calls (about a year of decode at 24 layers x
 # 100 tok/s), which only reorders equal counts once.
 USE_CAP = 1 << 10
 USE_SHIFT = 36
@@ -111,20 +112,26 @@ def num_chunks(state: CacheState, num_routes: int) -> int:
 # ---------------------------------------------------------------------------------------------------
 
 
-def count_uses_(state: CacheState, layer: int, routed: torch.Tensor) -> None:
-    """uses[layer] += routed ([E] bool); then, if one of them reached USE_CAP, every layer's uses halved."""
+def check_use_cap(use_cap: int) -> None:
+    if not 2 <= use_cap <= USE_CAP:
+        raise ValueError(f"ensure_experts: use_cap must be in [2, {USE_CAP}], got {use_cap}")
+
+
+def count_uses_(state: CacheState, layer: int, routed: torch.Tensor, use_cap: int = USE_CAP) -> None:
+    """uses[layer] += routed ([E] bool); then, if one of them reached use_cap, every layer's uses halved."""
     E = state.num_experts
     counts = state.uses[layer * E: (layer + 1) * E]
     counts += routed.int()
-    if int(counts.max()) >= USE_CAP:
+    if int(counts.max()) >= use_cap:
         state.uses.bitwise_right_shift_(1)
 
 
 def ensure_experts_reference(state: CacheState, layer: int, topk_ids: torch.Tensor,
                              slot_ids: torch.Tensor | None = None, chunk: int = 0, lfu: bool = False,
-                             count_uses: bool = True) -> torch.Tensor:
+                             count_uses: bool = True, use_cap: int = USE_CAP) -> torch.Tensor:
     """Pure-torch twin of :func:`ensure_experts` (same arguments, same results bit for bit)."""
     check_args(state, layer, topk_ids, chunk)
+    check_use_cap(use_cap)
     E, C = state.num_experts, state.chunk_capacity
     base = layer * E
     now = int(state.clock[0]) + 1
@@ -175,5 +182,5 @@ def ensure_experts_reference(state: CacheState, layer: int, topk_ids: torch.Tens
     state.job_count[0] = n_miss
     state.clock[0] = now
     if count_uses:
-        count_uses_(state, layer, in_chunk)
+        count_uses_(state, layer, in_chunk, use_cap)
     return slot_ids

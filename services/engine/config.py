@@ -39,6 +39,11 @@ class CachePolicy(str, enum.Enum):
     LFU = "lfu"  # the slot whose expert was routed to least often (then least recently); hybrid fetches the most used
 
 
+# The kernels' largest use-count cap (kernels/ensure_experts_ref.USE_CAP: a count must fit below their
+# eviction key's recency bits); not imported, since this config must load without torch.
+LFU_CAP_MAX = 1 << 10
+
+
 class DType(str, enum.Enum):
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
@@ -58,6 +63,10 @@ class EngineConfig:
                                                  "fetches its most used misses and leaves the rest to the CPU) or lru "
                                                  "(least recently used); unset = lfu, or lru with --moe-prefetch. lfu "
                                                  "missed 8-12 %% less and decoded ~5 %% faster on the H200 (runs 35-38)")
+    moe_cache_lfu_cap: int = field(LFU_CAP_MAX, help="lfu: when an expert's use count reaches this, every layer's "
+                                                     "counts are halved, so old traffic fades; lower ages faster "
+                                                     f"(2-{LFU_CAP_MAX}; simulated at real width: 64 missed ~2 %% "
+                                                     "less, docs/benchmarks.md)")
     moe_hybrid_max_fetch: int = field(-1, help="hybrid: most misses fetched per layer and step; -1 = automatic, 0 = all misses on the CPU")
     moe_cpu_threads: int = field(0, help="cpu/hybrid: CPU executor workers, each pinned to a physical core; 0 = one per core "
                                          "minus one for the thread driving the GPU")
@@ -93,6 +102,8 @@ class EngineConfig:
             raise ValueError("--moe-cache-policy lfu does not combine with --moe-prefetch: the prefetch copies into "
                              "the oldest slots while the layer before still reads the newest, which only LRU "
                              "order guarantees")
+        if not 2 <= self.moe_cache_lfu_cap <= LFU_CAP_MAX:
+            raise ValueError(f"--moe-cache-lfu-cap must be in [2, {LFU_CAP_MAX}], got {self.moe_cache_lfu_cap}")
         sizing = [self.moe_cache_size is not None, self.moe_cache_rate is not None, bool(self.moe_cache_auto)]
         if sum(sizing) > 1:
             raise ValueError("--moe-cache-size, --moe-cache-rate and --moe-cache-auto are mutually exclusive; give one")

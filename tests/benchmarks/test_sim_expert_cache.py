@@ -8,9 +8,8 @@ import json
 
 import pytest
 
-from benchmarks import sim_expert_cache
 from benchmarks.sim_expert_cache import SlotCache, main, record_trace
-from kernels import ensure_experts_hybrid, ensure_experts_ref
+from kernels.ensure_experts_ref import USE_CAP
 from services.engine.config import EngineConfig
 from services.engine.models.registry import load_model
 
@@ -19,23 +18,21 @@ MODEL = "synthetic:qwen3-moe-mini?layers=2"  # E = 128, top-8: misses on every c
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "lfu-aging"])
 @pytest.mark.parametrize("backend, max_fetch", [("offload", -1), ("hybrid", 2)])
-def test_replay_reproduces_the_engines_counters(backend, max_fetch, policy, monkeypatch):
+def test_replay_reproduces_the_engines_counters(backend, max_fetch, policy):
     """The replay of the engine's policy (lru: lru + lowest-id; lfu: lfu + most-used) gives its counters;
-    lfu-aging: with the use cap at 4, so that counts halve (every layer's) many times within the trace."""
+    lfu-aging: with --moe-cache-lfu-cap 4, so that counts halve (every layer's) many times within the trace."""
     aging = policy == "lfu-aging"
-    if aging:
-        policy = "lfu"
-        for module in (ensure_experts_ref, ensure_experts_hybrid, sim_expert_cache):  # each holds USE_CAP
-            monkeypatch.setattr(module, "USE_CAP", 4)
+    policy, cap = ("lfu", 4) if aging else (policy, USE_CAP)
     extra = {"moe_hybrid_max_fetch": max_fetch} if backend == "hybrid" else {}
     lm = load_model(EngineConfig(model=MODEL, device="cpu", dtype="float32", moe_backend=backend, moe_cache_rate=0.3,
-                                 moe_cache_policy=policy, max_seq_len=64, **extra))
+                                 moe_cache_policy=policy, moe_cache_lfu_cap=cap, max_seq_len=64, **extra))
     try:
         calls = record_trace(lm, 24, 16)  # the prefill (16 x 8 routes: the offload path) and 24 decode steps
         stats = lm.model.backend.stats()
         counters = stats.get("cache", stats)
         sim = SlotCache(len(lm.banks.layers), lm.banks.layers[0].num_experts, lm.model.backend.cache.state.num_slots,
-                        max_fetch=max_fetch, evict=policy, fetch="most-used" if policy == "lfu" else "lowest-id")
+                        max_fetch=max_fetch, evict=policy, fetch="most-used" if policy == "lfu" else "lowest-id",
+                        use_cap=cap)
         for layer, *routes in calls:
             sim.call(layer, routes)
         assert len(calls) == 2 * 25

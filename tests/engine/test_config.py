@@ -19,6 +19,8 @@ from services.engine.config import EngineConfig
         ({"max_seq_len": 0}, "--max-seq-len"),
         ({"moe_backend": "magic"}, "magic"),
         ({"moe_cache_policy": "fifo"}, "fifo"),
+        ({"moe_cache_lfu_cap": 1}, "--moe-cache-lfu-cap"),
+        ({"moe_cache_lfu_cap": 1025}, "--moe-cache-lfu-cap"),
         ({"moe_cache_policy": "lfu", "moe_prefetch": 1}, "--moe-cache-policy lfu does not combine with --moe-prefetch"),
     ],
 )
@@ -38,3 +40,11 @@ def test_the_cache_policy_defaults_to_lfu_but_lru_under_the_prefetch():
     assert EngineConfig(model="demo").moe_cache_policy.value == "lfu"
     assert EngineConfig(model="demo", moe_prefetch=2).moe_cache_policy.value == "lru"
     assert EngineConfig(model="demo", moe_cache_policy="lru").moe_cache_policy.value == "lru"
+
+
+def test_the_lfu_cap_bound_is_the_kernels():
+    """The config's bound (it loads without torch) is the kernels' USE_CAP, the default."""
+    from kernels.ensure_experts_ref import USE_CAP
+    from services.engine.config import LFU_CAP_MAX
+
+    assert LFU_CAP_MAX == USE_CAP == EngineConfig(model="demo").moe_cache_lfu_cap

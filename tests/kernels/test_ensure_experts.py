@@ -126,17 +126,34 @@ def test_lfu_evicts_the_least_used_then_the_oldest(lfu, evicted, device):
     assert ref.uses.tolist() == [3, 1, 1, 1, 0, 0]  # one use per call that routed to the expert
 
 
-def test_use_counts_halve_at_the_cap_in_every_layer(device):
-    """Once a count reaches USE_CAP, every layer's counts are halved: old traffic fades, on one scale for the
-    one slot pool (3 layers of 3 experts: the kernel halves the table in [4]-wide blocks, the last partial).
-    Below the cap nothing is halved."""
+@pytest.mark.parametrize("cap", [USE_CAP, 12])
+def test_use_counts_halve_at_the_cap_in_every_layer(cap, device):
+    """Once a count reaches the cap (the default, or --moe-cache-lfu-cap's), every layer's counts are halved:
+    old traffic fades, on one scale for the one slot pool (3 layers of 3 experts: the kernel halves the
+    table in [4]-wide blocks, the last partial). Below the cap nothing is halved."""
     state = CacheState.allocate(3, 3, 4, device)
-    state.uses[:] = torch.tensor([USE_CAP - 2, 10, 3, USE_CAP - 1, 7, 6, 5, 0, 1], dtype=torch.int32, device=device)
+    state.uses[:] = torch.tensor([cap - 2, 10, 3, cap - 1, 7, 6, 5, 0, 1], dtype=torch.int32, device=device)
     ref = state.clone()
-    run_both(state, ref, 0, torch.tensor([[0, 2]], device=device))
-    assert ref.uses.tolist() == [USE_CAP - 1, 10, 4, USE_CAP - 1, 7, 6, 5, 0, 1]  # layer 1's cap - 1 is not its
-    run_both(state, ref, 0, torch.tensor([[0]], device=device))
-    assert ref.uses.tolist() == [USE_CAP // 2, 5, 2, (USE_CAP - 1) // 2, 3, 3, 2, 0, 0]
+
+    def call(ids):
+        ids = torch.tensor(ids, device=device)
+        got = ensure_experts(state, 0, ids, use_cap=cap)
+        assert torch.equal(got.cpu(), ensure_experts_reference(ref, 0, ids, use_cap=cap).cpu())
+        assert_same(state, ref)
+
+    call([[0, 2]])
+    assert ref.uses.tolist() == [cap - 1, 10, 4, cap - 1, 7, 6, 5, 0, 1]  # layer 1's cap - 1 is not its
+    call([[0]])
+    assert ref.uses.tolist() == [cap // 2, 5, 2, (cap - 1) // 2, 3, 3, 2, 0, 0]
+
+
+@pytest.mark.parametrize("cap", [1, USE_CAP + 1])
+def test_a_cap_outside_the_key_is_refused(cap, device):
+    """A count must stay below the eviction key's recency bits (USE_CAP) and a cap of 1 would never count."""
+    state = CacheState.allocate(1, 4, 4, device)
+    for ensure in (ensure_experts, ensure_experts_reference):
+        with pytest.raises(ValueError, match="use_cap"):
+            ensure(state, 0, torch.tensor([[0]], device=device), use_cap=cap)
 
 
 def test_step_experts_are_never_evicted(device):

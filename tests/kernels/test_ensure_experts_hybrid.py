@@ -174,15 +174,16 @@ def test_lfu_fetches_the_most_used_misses(warmed, device):
     assert ref.uses.tolist() == [1, 6, 3, 10, 6, 0, 0, 0]
 
 
-def test_the_split_halves_every_layers_counts_at_the_cap(device):
-    """The split counts the step's uses (the ensure after it does not again): when one reaches USE_CAP,
+@pytest.mark.parametrize("cap", [USE_CAP, 12])
+def test_the_split_halves_every_layers_counts_at_the_cap(cap, device):
+    """The split counts the step's uses (the ensure after it does not again): when one reaches the cap,
     all layers' counts halve, as in kernels/ensure_experts.py; kernel == reference."""
     state = CacheState.allocate(2, 3, 6, device)
-    state.uses[:] = torch.tensor([4, USE_CAP - 1, 0, 9, 2, 1], dtype=torch.int32, device=device)
+    state.uses[:] = torch.tensor([4, cap - 1, 0, 9, 2, 1], dtype=torch.int32, device=device)
     ref = state.clone()
     ids = torch.tensor([[1, 2]], device=device)
-    got = ensure_experts_hybrid(state, 0, ids, q16(Q16 // 2, device), lfu=True)
-    want = ensure_experts_hybrid_reference(ref, 0, ids, q16(Q16 // 2, device), lfu=True)
+    got = ensure_experts_hybrid(state, 0, ids, q16(Q16 // 2, device), lfu=True, use_cap=cap)
+    want = ensure_experts_hybrid_reference(ref, 0, ids, q16(Q16 // 2, device), lfu=True, use_cap=cap)
     assert all(torch.equal(g.cpu(), w.cpu()) for g, w in zip(got, want))
     assert_same(state, ref)
-    assert ref.uses.tolist() == [2, USE_CAP // 2, 0, 4, 1, 0]
+    assert ref.uses.tolist() == [2, cap // 2, 0, 4, 1, 0]

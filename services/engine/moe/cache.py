@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.ensure_experts_ref import CacheState, ensure_experts_reference, num_chunks
+from kernels.ensure_experts_ref import USE_CAP, CacheState, check_use_cap, ensure_experts_reference, num_chunks
 from services.common.settings import env
 from services.engine.moe.banks import ExpertBanks
 
@@ -39,11 +39,13 @@ class ExpertCache:
     on the CPU under TRITON_INTERPRET."""
 
     def __init__(self, banks: ExpertBanks, num_slots: int, device: torch.device,
-                 use_triton: bool | None = None, lfu: bool = False) -> None:
-        """lfu: evict the least used expert first (--moe-cache-policy lfu; kernels/ensure_experts.py)."""
+                 use_triton: bool | None = None, lfu: bool = False, use_cap: int = USE_CAP) -> None:
+        """lfu: evict the least used expert first (--moe-cache-policy lfu; kernels/ensure_experts.py) ·
+        use_cap: every layer's use counts halve when one reaches it (--moe-cache-lfu-cap)."""
         # Imported here, not at module level: Triton reads TRITON_INTERPRET when a kernel is defined.
         from kernels.gather_copy import CopyPlan
 
+        check_use_cap(use_cap)
         if not banks.layers:
             raise ValueError("expert cache: the model has no MoE layer banks")
         self.num_layers = len(banks.layers)
@@ -64,7 +66,7 @@ class ExpertCache:
         self.plan = CopyPlan(host_layers, self.slot_banks)
         self.copy_mode = _copy_mode()
         self.use_triton = self.device.type == "cuda" if use_triton is None else use_triton
-        self.lfu = lfu
+        self.lfu, self.use_cap = lfu, use_cap
         self.expert_nbytes = self.plan.expert_nbytes()
 
     @property
@@ -86,8 +88,8 @@ class ExpertCache:
         if self.use_triton:
             from kernels.ensure_experts import ensure_experts
 
-            return ensure_experts(self.state, layer, topk_ids, out, chunk, lfu=self.lfu)
-        return ensure_experts_reference(self.state, layer, topk_ids, out, chunk, lfu=self.lfu)
+            return ensure_experts(self.state, layer, topk_ids, out, chunk, lfu=self.lfu, use_cap=self.use_cap)
+        return ensure_experts_reference(self.state, layer, topk_ids, out, chunk, lfu=self.lfu, use_cap=self.use_cap)
 
     def copy_missing(self, max_jobs: int | None = None, state: CacheState | None = None) -> None:
         """Copy the jobs of the last ``ensure`` for every bank (one fused launch on CUDA). ``max_jobs``: a
@@ -110,6 +112,7 @@ class ExpertCache:
             "expert_bytes": self.expert_nbytes,
             "copy_mode": self.copy_mode.value,
             "policy": "lfu" if self.lfu else "lru",
+            "lfu_cap": self.use_cap,
             "hits": sum(hits),
             "misses": sum(misses),
             "fetched": sum(fetched),

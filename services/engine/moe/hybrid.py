@@ -333,7 +333,8 @@ class HybridBackend:
         else:
             from kernels.ensure_experts_hybrid import ensure_experts_hybrid_reference as ensure
         warm_ids = self.warm.row(layer) if self.warm is not None else None
-        return ensure(self.cache.state, layer, topk_ids, self.f_q16, self.max_fetch, warm_ids, lfu=self.cache.lfu)
+        return ensure(self.cache.state, layer, topk_ids, self.f_q16, self.max_fetch, warm_ids, lfu=self.cache.lfu,
+                      use_cap=self.cache.use_cap)
 
     def _mark(self, layer: int, which: int):
         """A fetch-time mark: a CUDA event on the stream (read when the step is closed, no sync) or a host
