@@ -21,8 +21,8 @@ MAX_SLOTS = 1 << 16
 # others'; benchmarks/sim_expert_cache.py, with caps low enough to age: 0.1-4.6 % fewer misses than halving
 # per layer; docs/benchmarks.md). The cap is the caller's (``use_cap``, --moe-cache-lfu-cap), at most
 # USE_CAP so that uses << USE_SHIFT stays below _PROTECTED; USE_CAP ages only in long-running servers, and
-# faster aging helped some traces and hurt others. The clock's low 36 bits wrap after ~2^36 calls (about a year of decode at 24 layers x
-# 100 tok/s), which only reorders equal counts once.
+# faster aging helped some traces and hurt others. The clock's low 36 bits wrap after ~2^36 calls (about a
+# year of decode at 24 layers x 100 tok/s), which only reorders equal counts once.
 USE_CAP = 1 << 10
 USE_SHIFT = 36
 

@@ -53,7 +53,8 @@ class OffloadBackend:
         elif num_slots < geom.min_slots:
             raise ValueError(f"offload cache of {num_slots} slots is below the minimum of {geom.min_slots}")
         self.cache = ExpertCache(banks, num_slots, ctx.device, use_triton,
-                                 lfu=ctx.config.moe_cache_policy is CachePolicy.LFU, use_cap=ctx.config.moe_cache_lfu_cap)
+                                 lfu=ctx.config.moe_cache_policy is CachePolicy.LFU,
+                                 use_cap=ctx.config.moe_cache_lfu_cap)
         self.prefetch = make_prefetch(ctx, self.cache)
 
     def prefetching(self, topk_ids: torch.Tensor) -> NextLayerPrefetch | None:
