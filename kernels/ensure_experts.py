@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.ensure_experts_ref import USE_CAP, USE_SHIFT, CacheState, check_args, check_use_cap  # noqa: F401
+from kernels.ensure_experts_ref import USE_CAP, USE_SHIFT, CacheState, check_args  # noqa: F401
 from kernels.ensure_experts_ref import ensure_experts_reference, num_chunks  # noqa: F401 (re-exported)
 
 
@@ -168,8 +168,7 @@ def ensure_experts(state: CacheState, layer: int, topk_ids: torch.Tensor, slot_i
                    chunk: int = 0, lfu: bool = False, count_uses: bool = True, use_cap: int = USE_CAP) -> torch.Tensor:
     """Triton launcher. topk_ids [T, A] (expert ids of ``layer``, -1 = skip) -> slot_ids [T, A] int32
     (slot of each route in this chunk, else -1); ``state`` is updated in place (module docstring)."""
-    check_args(state, layer, topk_ids, chunk)
-    check_use_cap(use_cap)
+    check_args(state, layer, topk_ids, chunk, use_cap)
     T, A = topk_ids.shape
     if slot_ids is None:
         slot_ids = torch.empty((T, A), dtype=torch.int32, device=topk_ids.device)

@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels.ensure_experts_ref import USE_CAP, CacheState, _check, check_use_cap, count_uses_, ensure_experts_reference
+from kernels.ensure_experts_ref import USE_CAP, CacheState, _check, count_uses_, ensure_experts_reference
 
 Q16 = 1 << 16
 
 
 def _check_split(state: CacheState, layer: int, topk_ids: torch.Tensor, f_q16: torch.Tensor,
-                 warm_ids: torch.Tensor | None = None) -> None:
-    _check(state, layer, topk_ids, 0)
+                 warm_ids: torch.Tensor | None = None, use_cap: int = USE_CAP) -> None:
+    _check(state, layer, topk_ids, 0, use_cap)
     if warm_ids is not None and (warm_ids.dim() != 1 or warm_ids.dtype != torch.int64 or warm_ids.device != topk_ids.device):
         raise ValueError(f"ensure_experts_hybrid: warm_ids must be an int64 [K] tensor on {topk_ids.device}, got "
                          f"{tuple(warm_ids.shape)} {warm_ids.dtype} on {warm_ids.device}")
@@ -59,8 +59,7 @@ def split_misses_reference(state: CacheState, layer: int, topk_ids: torch.Tensor
                            lfu: bool = False, use_cap: int = USE_CAP) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 1 of the module docstring: topk_ids [T, A] -> (gpu_ids [T, A], cpu_ids [T, A]) int64;
     adds the unfetched misses to ``state.misses[layer]``. warm_ids [K] (-1 = none): kept for the CPU."""
-    _check_split(state, layer, topk_ids, f_q16, warm_ids)
-    check_use_cap(use_cap)
+    _check_split(state, layer, topk_ids, f_q16, warm_ids, use_cap)
     E, S = state.num_experts, state.num_slots
     ids = topk_ids.reshape(-1).long()  # [N]
     valid = (ids >= 0) & (ids < E)
@@ -189,8 +188,7 @@ def ensure_experts_hybrid(state: CacheState, layer: int, topk_ids: torch.Tensor,
     ``state`` is updated in place; the copy jobs are those of the fetched misses."""
     from kernels.ensure_experts import ensure_experts
 
-    _check_split(state, layer, topk_ids, f_q16, warm_ids)
-    check_use_cap(use_cap)
+    _check_split(state, layer, topk_ids, f_q16, warm_ids, use_cap)
     kernel = _split_kernel()
     T, A = topk_ids.shape
     ids = topk_ids.contiguous()

@@ -85,7 +85,14 @@ class CacheState:
         return CacheState(**{f.name: getattr(self, f.name).clone() for f in fields(self)})
 
 
-def check_args(state: CacheState, layer: int, topk_ids: torch.Tensor, chunk: int) -> None:
+def check_use_cap(use_cap: int) -> None:
+    """The lfu cap fits the eviction key (below USE_CAP's bits) and counts at all (2 or more)."""
+    if not 2 <= use_cap <= USE_CAP:
+        raise ValueError(f"ensure_experts: use_cap must be in [2, {USE_CAP}], got {use_cap}")
+
+
+def check_args(state: CacheState, layer: int, topk_ids: torch.Tensor, chunk: int, use_cap: int = USE_CAP) -> None:
+    check_use_cap(use_cap)
     L = state.hits.shape[0]
     if not 0 <= layer < L:
         raise ValueError(f"ensure_experts: layer {layer} out of range [0, {L})")
@@ -112,11 +119,6 @@ def num_chunks(state: CacheState, num_routes: int) -> int:
 # ---------------------------------------------------------------------------------------------------
 
 
-def check_use_cap(use_cap: int) -> None:
-    if not 2 <= use_cap <= USE_CAP:
-        raise ValueError(f"ensure_experts: use_cap must be in [2, {USE_CAP}], got {use_cap}")
-
-
 def count_uses_(state: CacheState, layer: int, routed: torch.Tensor, use_cap: int = USE_CAP) -> None:
     """uses[layer] += routed ([E] bool); then, if one of them reached use_cap, every layer's uses halved."""
     E = state.num_experts
@@ -130,8 +132,7 @@ def ensure_experts_reference(state: CacheState, layer: int, topk_ids: torch.Tens
                              slot_ids: torch.Tensor | None = None, chunk: int = 0, lfu: bool = False,
                              count_uses: bool = True, use_cap: int = USE_CAP) -> torch.Tensor:
     """Pure-torch twin of :func:`ensure_experts` (same arguments, same results bit for bit)."""
-    check_args(state, layer, topk_ids, chunk)
-    check_use_cap(use_cap)
+    check_args(state, layer, topk_ids, chunk, use_cap)
     E, C = state.num_experts, state.chunk_capacity
     base = layer * E
     now = int(state.clock[0]) + 1
