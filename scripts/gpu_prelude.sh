@@ -12,3 +12,13 @@ ceilings() {
   grep -E "GBs" "$OUT/physlimits$1.txt" | grep -E "h2d_gather_8|overlap|c_avx512_stream"
   cp "$OUT/physlimits.json" "$OUT/physlimits$1.json"
 }
+# the named fields of every row of a bench_decode_moe JSONL ($1), one row per line, floats to 2 decimals
+fields() {
+  python3 - "$@" <<'PY'
+import json, sys
+path, *keys = sys.argv[1:]
+for line in open(path):
+    r = json.loads(line)
+    print(" ".join(f"{k}={round(r[k], 2) if isinstance(r.get(k), float) else r.get(k)}" for k in keys))
+PY
+}

@@ -14,10 +14,4 @@ for i in 1 2 3; do
   step "round $i pinned client"; timeout 75 $BENCH --backend hybrid --log-dir runs/p_$i 2>&1 | row
 done
 step auto; timeout 100 $BENCH --backend auto --log-dir runs/auto 2>&1 | row
-python3 - <<'PY'
-import json, os
-for line in open(os.environ["OUT"] + "/decode_run30.jsonl"):
-    r = json.loads(line)
-    print(r["backend"], r["client_cpus"], round(r.get("decode_tok_s", 0), 1), "preempted", r.get("worker_preemptions"),
-          "step_ms", round(r.get("engine_step_ms", 0), 2), "f", r.get("fetch_fraction"))
-PY
+fields "$OUT/decode_run30.jsonl" backend client_cpus decode_tok_s worker_preemptions engine_step_ms fetch_fraction

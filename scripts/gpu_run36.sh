@@ -12,10 +12,4 @@ for i in 1 2 3; do
   step "round $i lfu"; timeout 75 $BENCH --backend hybrid --server-arg=--moe-cache-policy=lfu --log-dir runs/f_$i 2>&1 | row
 done
 step "auto lfu"; timeout 100 $BENCH --backend auto --server-arg=--moe-cache-policy=lfu --log-dir runs/a 2>&1 | row
-python3 - <<'PY'
-import json, os
-for line in open(os.environ["OUT"] + "/decode_run36.jsonl"):
-    r = json.loads(line)
-    print(r["backend"], r.get("cache_policy"), round(r.get("decode_tok_s", 0), 1), "miss", r.get("expert_miss_rate"),
-          "f", r.get("fetch_fraction"), "preempted", r.get("worker_preemptions"), "sha", r.get("output_sha1"))
-PY
+fields "$OUT/decode_run36.jsonl" backend cache_policy decode_tok_s miss_rate fetch_fraction worker_preemptions output_sha1

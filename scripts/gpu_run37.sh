@@ -18,10 +18,4 @@ for i in 1 2 3; do
   step "round $i lru"; timeout 75 $BENCH --backend hybrid --server-arg=--moe-cache-policy=lru --log-dir runs/l_$i 2>&1 | row
 done
 step "auto lru"; timeout 90 $BENCH --backend auto --server-arg=--moe-cache-policy=lru --log-dir runs/a 2>&1 | row
-python3 - <<'PY'
-import json, os
-for line in open(os.environ["OUT"] + "/decode_run37.jsonl"):
-    r = json.loads(line)
-    print(r["backend"], r.get("cache_policy"), round(r.get("decode_tok_s", 0), 1), "f", r.get("fetch_fraction"),
-          "preempted", r.get("worker_preemptions"))
-PY
+fields "$OUT/decode_run37.jsonl" backend cache_policy decode_tok_s fetch_fraction worker_preemptions

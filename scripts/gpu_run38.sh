@@ -12,10 +12,4 @@ for i in 1 2 3; do
   step "round $i auto"; timeout 80 $BENCH --backend auto --log-dir runs/a_$i 2>&1 | row
   step "round $i hybrid"; timeout 75 $BENCH --backend hybrid --log-dir runs/h_$i 2>&1 | row
 done
-python3 - <<'PY'
-import json, os
-for line in open(os.environ["OUT"] + "/decode_run38.jsonl"):
-    r = json.loads(line)
-    print(r["backend"], r.get("cache_policy"), round(r.get("decode_tok_s", 0), 1), "f", r.get("fetch_fraction"),
-          "auto", r.get("auto"), "preempted", r.get("worker_preemptions"))
-PY
+fields "$OUT/decode_run38.jsonl" backend cache_policy decode_tok_s fetch_fraction auto worker_preemptions
