@@ -10,6 +10,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
+	@bash scripts/check-disk.sh
 	@bash scripts/setup-system.sh
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

@@ -100,7 +100,9 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, skip: tu
         help_text = f.metadata["help"]
         if f.metadata.get("env"):
             help_text += f" [env {f.metadata['env']}]"
-        kwargs: dict[str, Any] = {"dest": f.name, "help": help_text + " (default: %(default)s)"}
+        # None means "derived from other flags" (each such help says how), so it reads as "unset", not "None"
+        shown = "unset" if default is None else "%(default)s"
+        kwargs: dict[str, Any] = {"dest": f.name, "help": f"{help_text} (default: {shown})"}
         if typ is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=bool(default), **kwargs)
             continue
