@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.engine.config import EngineConfig
-from services.engine.models.registry import build_backend
+from services.engine.models.registry import build_backend, load_model
 from services.engine.runtime.kv_cache import ForwardBatch, KVCache
 
 
@@ -57,6 +57,16 @@ def graph_greedy(loaded, backend_name: str, prompt_ids: list[int], n: int) -> li
         tokens.append(int(runner.graphs.run([tokens[-1]], [pos], [0])[0].argmax()))
         pos += 1
     return tokens
+
+
+def on_cuda_with_resident_tokens(model_dir: str, prompt_ids: list[int], n: int):
+    """The checkpoint in ``model_dir`` loaded on CUDA (the test skips without it) with the resident backend
+    attached, and resident's ``n`` greedy tokens: the reference a CUDA backend must reproduce."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    loaded = load_model(EngineConfig(model=model_dir, device="cuda"), attach_backend=False)
+    loaded.model.set_backend(build_backend(loaded, EngineConfig(model=model_dir, device="cuda")))
+    return loaded, greedy_generate(loaded, prompt_ids, n)
 
 
 def resident_greedy(loaded: dict, hf_checkpoints: dict, prompts: dict[str, list[int]], n: int) -> dict[str, dict[str, list[int]]]:

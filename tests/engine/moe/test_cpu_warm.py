@@ -18,7 +18,7 @@ from services.engine.models.registry import build_backend, load_model  # noqa: E
 from services.engine.moe.backends import BackendContext  # noqa: E402
 from services.engine.moe.hybrid import HybridBackend  # noqa: E402
 from services.engine.reports import flat_backend_stats  # noqa: E402
-from tests.helpers import graph_greedy, greedy_generate, tokens_against_resident  # noqa: E402
+from tests.helpers import graph_greedy, greedy_generate, on_cuda_with_resident_tokens, tokens_against_resident  # noqa: E402
 
 PROMPT = [(7 * i + 3) % 120 + 4 for i in range(40)]
 NEW_TOKENS = 8
@@ -126,12 +126,8 @@ def test_cuda_graph_decode_with_warm_equals_resident(kind, hf_checkpoints):
     """The real data path: the plan (predictor, Triton pick, post to the pinned warm table) inside the
     runner's captured decode graph, the executor warming between the jobs it serves; greedy tokens ==
     resident's, and the executor did warm."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     d = str(hf_checkpoints["qwen3_moe"].dir)
-    lm = load_model(EngineConfig(model=d, device="cuda"), attach_backend=False)
-    lm.model.set_backend(build_backend(lm, EngineConfig(model=d, device="cuda")))
-    want = greedy_generate(lm, PROMPT, NEW_TOKENS)
+    lm, want = on_cuda_with_resident_tokens(d, PROMPT, NEW_TOKENS)
     A = lm.spec.top_k
     backend = build_backend(lm, EngineConfig(model=d, device="cuda", moe_backend=kind.value, moe_cache_size=2 * A,
                                              moe_cpu_warm=2))

@@ -15,7 +15,7 @@ from services.engine.config import EngineConfig, MoEBackend  # noqa: E402
 from services.engine.models.registry import build_backend, load_model, pin_banks  # noqa: E402
 from services.engine.moe.backends import BackendContext  # noqa: E402
 from services.engine.moe.hybrid import HybridBackend  # noqa: E402
-from tests.helpers import CPU_PLAYS_THE_DEVICE, greedy_generate, resident_greedy  # noqa: E402
+from tests.helpers import CPU_PLAYS_THE_DEVICE, greedy_generate, on_cuda_with_resident_tokens, resident_greedy  # noqa: E402
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 PROMPT = [(7 * i + 3) % 120 + 4 for i in range(40)]  # 40 tokens: prefill above the split path (offload)
@@ -140,12 +140,8 @@ def test_registered_and_built_by_config(hf_checkpoints, loaded):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
 def test_cuda_greedy_equals_resident(arch, mode, graph_mode, policy, hf_checkpoints):
     """The real data path: Triton ensure kernels, pinned handoff (stream-written flags), overlap."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     d = str(hf_checkpoints[arch].dir)
-    lm = load_model(EngineConfig(model=d, device="cuda"), attach_backend=False)
-    lm.model.set_backend(build_backend(lm, EngineConfig(model=d, device="cuda")))
-    want = greedy_generate(lm, PROMPT, NEW_TOKENS)
+    lm, want = on_cuda_with_resident_tokens(d, PROMPT, NEW_TOKENS)
     pin_banks(lm.banks)
     cfg = EngineConfig(model=d, device="cuda", moe_backend=mode.value, moe_cache_policy=policy)
     backend = HybridBackend(BackendContext(lm.banks, cfg, lm.device, lm.dtype, lm.spec.top_k, 0), mode,

@@ -22,7 +22,7 @@ from services.engine.moe.layer import MoEBlock  # noqa: E402
 from services.engine.moe.offload import OffloadBackend  # noqa: E402
 from services.engine.moe.prefetch import NextLayerPrefetch, next_layer_predictors  # noqa: E402
 from services.engine.reports import flat_backend_stats  # noqa: E402
-from tests.helpers import graph_greedy, greedy_generate, tokens_against_resident  # noqa: E402
+from tests.helpers import graph_greedy, greedy_generate, on_cuda_with_resident_tokens, tokens_against_resident  # noqa: E402
 
 PROMPT = [(7 * i + 3) % 120 + 4 for i in range(40)]
 NEW_TOKENS = 8
@@ -149,12 +149,8 @@ def test_prefetch_off_and_why(hf_checkpoints, loaded, caplog):
 def test_cuda_graph_decode_with_prefetch_equals_resident(kind, hf_checkpoints):
     """The real data path: the side stream forked and joined inside the runner's captured decode graph,
     Triton pick/ensure, the fused copy from pinned banks; replayed greedy tokens == resident's."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     d = str(hf_checkpoints["qwen3_moe"].dir)
-    lm = load_model(EngineConfig(model=d, device="cuda"), attach_backend=False)
-    lm.model.set_backend(build_backend(lm, EngineConfig(model=d, device="cuda")))
-    want = greedy_generate(lm, PROMPT, NEW_TOKENS)
+    lm, want = on_cuda_with_resident_tokens(d, PROMPT, NEW_TOKENS)
     A = lm.spec.top_k
     backend = build_backend(lm, EngineConfig(model=d, device="cuda", moe_backend=kind.value, moe_cache_size=2 * A + 2,
                                              moe_prefetch=2))
