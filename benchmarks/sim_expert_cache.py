@@ -150,12 +150,13 @@ class SlotCache:
         """kernels/ensure_experts.py for one chunk: hits refreshed, each fetched miss takes the victim slot."""
         now = self.clock = self.clock + 1
         self.last_use[self.slot_of_id[[base + e for e in hits]]] = now
-        key = np.where(self.id_of_slot < 0, -1, self.last_use)
         if self.evict == "lfu":
-            key = np.where(self.id_of_slot < 0, -1, (self.uses[self.id_of_slot] << USE_SHIFT)
-                           | (self.last_use & ((1 << USE_SHIFT) - 1)))
-        elif self.evict == "belady":  # the farthest next use first (empty slots before all)
-            key = np.where(self.id_of_slot < 0, -_NEVER - 1, -self.next_use[self.id_of_slot])
+            key = (self.uses[self.id_of_slot] << USE_SHIFT) | (self.last_use & ((1 << USE_SHIFT) - 1))
+        elif self.evict == "belady":  # the farthest next use first
+            key = -self.next_use[self.id_of_slot]
+        else:
+            key = self.last_use
+        key = np.where(self.id_of_slot < 0, -_NEVER - 1, key)  # empty slots before every key of every policy
         key[self.last_use == now] = _PROTECTED
         for e in fetch:
             victim = int(np.argmin(key))  # the lowest index among the smallest keys
