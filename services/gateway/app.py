@@ -114,6 +114,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             return f"request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}", None
         where = ".".join(loc) or "body"
         param = param or (where if loc else None)
+        if e.get("type") == "extra_forbidden":  # not an OpenAI field, nor a Tandem extension
+            parts.append(f"{where}: unknown field; Tandem does not support it (docs/openai-api.md lists every field)")
+            continue
         parts.append(f"{where}: {e.get('msg')}")
     return "; ".join(parts) or "invalid request", param
 

@@ -61,15 +61,6 @@ class Generation:
 
 def sampling_from_request(req, engine: EngineState, max_tokens: int | None) -> dict:
     """The engine's sampling object: request values first, then generation_config's defaults."""
-    if (req.n or 1) != 1:
-        raise RequestError("n > 1 is not supported; send n separate requests", "n")
-    if getattr(req, "best_of", None) not in (None, 1):
-        raise RequestError("best_of > 1 is not supported", "best_of")
-    if req.logprobs:
-        raise RequestError("logprobs are not supported", "logprobs")
-    for name in ("frequency_penalty", "presence_penalty", "logit_bias"):
-        if getattr(req, name, None):  # None / 0 / {} are the neutral values clients send by default
-            raise RequestError(f"{name} is not supported (leave it unset or neutral)", name)
     gen_cfg = (engine.info or {}).get("generation_config") or {}
     temperature = req.temperature if req.temperature is not None else gen_cfg.get("temperature", 1.0)
     if not gen_cfg.get("do_sample", True) and req.temperature is None:

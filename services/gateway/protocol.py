@@ -1,8 +1,9 @@
 """OpenAI wire format (pydantic only, no logic): requests in OpenAI's field order, then a marked block
 of Tandem extensions; responses and stream chunks; the error body.
 
-Unknown request fields are ignored (clients send many optional ones); fields we accept but cannot honour
-are rejected with a 400 naming them in ``serving_*.py`` (e.g. n > 1, logprobs).
+The two request models declare every field of OpenAI's API (and Tandem's extensions) and refuse any
+other field with a 400, so nothing a client sends is silently ignored; request_fields.py says which
+declared fields are honoured and refuses the others with a 400 naming them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class _StrictRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an unknown field is a 400 naming it, never ignored
 
 
 class StreamOptions(_Request):
@@ -43,41 +48,61 @@ class ChatMessage(_Request):
         return "".join(p.text or "" for p in self.content)
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(_StrictRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     model: str
+    audio: Any = None
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    function_call: Any = None
+    functions: list[dict[str, Any]] | None = None
     logit_bias: dict[str, float] | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
-    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of max_completion_tokens
+    metadata: dict[str, str] | None = None
+    modalities: list[str] | None = None
+    moderation: Any = None
     n: int | None = Field(1, ge=1)
+    parallel_tool_calls: bool | None = None
+    prediction: Any = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    prompt_cache_key: str | None = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
+    reasoning_effort: Any = None
     response_format: dict[str, Any] | None = None
+    safety_identifier: str | None = None
     seed: int | None = None
+    service_tier: str | None = None
     stop: str | list[str] | None = None
+    store: bool | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    tools: list[dict[str, Any]] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     user: str | None = None
-    # --- Tandem extensions (not in OpenAI's API) -------------------------------------------
+    verbosity: Any = None
+    web_search_options: Any = None
+    # --- Tandem extensions (not in OpenAI's API; vLLM's names) --------------------------------
     top_k: int | None = Field(None, ge=-1)  # -1 or 0 = off
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(_StrictRequest):
     model: str
     prompt: str | list[str] | list[int] | list[list[int]]
     best_of: int | None = Field(None, ge=1)
     echo: bool | None = False
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
     max_tokens: int | None = Field(16, ge=1)
     n: int | None = Field(1, ge=1)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -89,8 +114,11 @@ class CompletionRequest(_Request):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     user: str | None = None
-    # --- Tandem extensions (not in OpenAI's API) -------------------------------------------
+    # --- Tandem extensions (not in OpenAI's API; vLLM's names) --------------------------------
     top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool = False
 
 

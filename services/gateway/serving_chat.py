@@ -9,6 +9,7 @@ import time
 from services.common.chat_template import ChatTemplateError, render_chat
 from services.gateway import generation as g
 from services.gateway.engines import EnginePool
+from services.gateway.request_fields import refuse_unsupported
 from services.gateway.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                        ChatChunkChoice, ChatResponseMessage, DeltaMessage, UsageInfo)
 from services.gateway.responses import event_stream, respond, sse
@@ -27,6 +28,7 @@ def _messages(req: ChatCompletionRequest) -> list[dict]:
 
 def prepare(pool: EnginePool, req: ChatCompletionRequest) -> g.Generation:
     """Validate, template and tokenize; raises RequestError / EngineError (404 unknown model, 503)."""
+    refuse_unsupported(req)  # first: a refused field is the answer, whatever else is wrong
     engine = pool.pick(req.model)
     kwargs = dict(req.chat_template_kwargs or {})
     try:

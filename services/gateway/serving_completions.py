@@ -7,6 +7,7 @@ import time
 
 from services.gateway import generation as g
 from services.gateway.engines import EnginePool
+from services.gateway.request_fields import refuse_unsupported
 from services.gateway.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
 from services.gateway.responses import event_stream, respond, sse
 
@@ -32,10 +33,7 @@ def _prompt_ids(req: CompletionRequest, tokenizer) -> list[int]:
 
 
 def prepare(pool: EnginePool, req: CompletionRequest) -> g.Generation:
-    if req.suffix:
-        raise g.RequestError("suffix is not supported", "suffix")
-    if req.echo:
-        raise g.RequestError("echo is not supported", "echo")
+    refuse_unsupported(req)  # first: a refused field is the answer, whatever else is wrong
     engine = pool.pick(req.model)
     ids = _prompt_ids(req, engine.tokenizer)
     explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None

@@ -1,0 +1,120 @@
+"""What Tandem does with every field of the OpenAI chat and completions requests: each one is either
+honoured or refused with a 400 naming it; nothing is silently ignored.
+
+The request models (protocol.py) declare every field of OpenAI's API plus Tandem's extensions and
+refuse any other field (an unknown field is a 400 too). This table is the single place that says what
+happens to each declared field; ``refuse_unsupported`` enforces it before a request reaches an engine.
+A refused field is still accepted at its neutral value (the default that clients send without being
+asked, e.g. ``logit_bias: {}``). docs/openai-api.md shows the same table to users, and
+tests/gateway/test_request_fields.py checks the three (models, this table, docs) agree and that each
+field behaves as listed against a real server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+HONOURED = "honoured"
+REFUSED = "refused"
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    support: str  # HONOURED or REFUSED
+    note: str  # what Tandem does (honoured) or why not (refused): the user reads it in docs and errors
+    neutral: tuple = (None,)  # values of a refused field that are accepted (they ask for nothing)
+
+
+def _honoured(note: str) -> FieldRule:
+    return FieldRule(HONOURED, note)
+
+
+def _refused(note: str, *neutral: Any) -> FieldRule:
+    return FieldRule(REFUSED, note, (None, *neutral))
+
+
+_TOOLS_LATER = "tool calling is not served yet"
+
+_SHARED = {
+    "model": _honoured("a model name the engines serve (GET /v1/models)"),
+    "frequency_penalty": _refused("frequency_penalty is not served yet", 0, 0.0),
+    "logit_bias": _refused("logit_bias is not served yet", {}),
+    "n": _refused("n > 1 is not served yet; send n separate requests", 1),
+    "presence_penalty": _refused("presence_penalty is not served yet", 0, 0.0),
+    "seed": _honoured("seeds the request's own generator: the same seed gives the same tokens in any batch"),
+    "stop": _honoured("up to 4 strings; the text ends before the first match (finish_reason \"stop\")"),
+    "stream": _honoured("Server-Sent Events chunks ending with `data: [DONE]`"),
+    "stream_options": _honoured("`include_usage` adds a final usage chunk"),
+    "temperature": _honoured("0 is greedy; default from the model's generation_config"),
+    "top_p": _honoured("nucleus sampling; default from the model's generation_config"),
+    "user": _honoured("accepted as information only (OpenAI uses it for abuse monitoring; it changes no output)"),
+    # -- Tandem extensions (vLLM's names; clients send them as extra_body) ---------------------------
+    "top_k": _honoured("extension: keep the k most likely tokens (-1 or 0: all)"),
+    "min_p": _refused("min_p is not served yet", 0, 0.0),
+    "repetition_penalty": _refused("repetition_penalty is not served yet", 1, 1.0),
+    "min_tokens": _refused("min_tokens is not served yet", 0),
+    "ignore_eos": _honoured("extension: keep generating past the end-of-sequence token (benchmarks)"),
+}
+
+CHAT_FIELDS: dict[str, FieldRule] = {
+    "messages": _honoured("rendered with the model's chat template; text content parts only (others: 400)"),
+    **_SHARED,
+    "audio": _refused("audio output is not supported (text models only)"),
+    "function_call": _refused(f"deprecated by OpenAI in favour of tool_choice; {_TOOLS_LATER}", "none"),
+    "functions": _refused(f"deprecated by OpenAI in favour of tools; {_TOOLS_LATER}", []),
+    "logprobs": _refused("logprobs are not served yet", False),
+    "max_completion_tokens": _honoured("the completion's token limit (400 when prompt + it exceed the context)"),
+    "max_tokens": _honoured("deprecated alias of max_completion_tokens"),
+    "metadata": _honoured("accepted as information only (tags a stored completion at OpenAI; nothing is stored)"),
+    "modalities": _refused("only text output is supported", ["text"]),
+    "moderation": _refused("moderation is not supported"),
+    "parallel_tool_calls": _refused(_TOOLS_LATER),
+    "prediction": _refused("predicted outputs are not supported"),
+    "prompt_cache_key": _honoured("accepted as a hint only (Tandem has no prompt cache to route by)"),
+    "prompt_cache_options": _refused("prompt caching options are not supported"),
+    "prompt_cache_retention": _refused("prompt cache retention is not supported"),
+    "reasoning_effort": _refused("not supported; models that can think take "
+                                 "chat_template_kwargs={\"enable_thinking\": ...}"),
+    "response_format": _refused("structured output is not served yet", {"type": "text"}),
+    "safety_identifier": _honoured("accepted as information only (OpenAI uses it for abuse monitoring)"),
+    "service_tier": _refused("service tiers are not supported", "auto", "default"),
+    "store": _refused("completions are never stored", False),
+    "tool_choice": _refused(_TOOLS_LATER, "none"),
+    "tools": _refused(_TOOLS_LATER, []),
+    "top_logprobs": _refused("logprobs are not served yet", 0),
+    "verbosity": _refused("verbosity is not supported"),
+    "web_search_options": _refused("web search is not supported"),
+    "chat_template_kwargs": _honoured("extension: extra variables for the chat template (e.g. enable_thinking)"),
+}
+
+COMPLETION_FIELDS: dict[str, FieldRule] = {
+    "prompt": _honoured("a string or token ids; one prompt per request (several: 400)"),
+    **_SHARED,
+    "best_of": _refused("best_of > 1 is not supported", 1),
+    "echo": _refused("echo is not supported", False),
+    "logprobs": _refused("logprobs are not served yet"),
+    "max_tokens": _honoured("the completion's token limit, default 16 (400 when prompt + it exceed the context)"),
+    "suffix": _refused("suffix (fill-in-the-middle) is not supported", ""),
+}
+
+
+def table_for(req) -> dict[str, FieldRule]:
+    return CHAT_FIELDS if hasattr(req, "messages") else COMPLETION_FIELDS
+
+
+def refuse_unsupported(req) -> None:
+    """Raise RequestError (400, param = the field) for the first field set to a value Tandem refuses."""
+    from services.gateway.generation import RequestError
+
+    table = table_for(req)
+    for name in type(req).model_fields:
+        rule = table[name]
+        value = getattr(req, name)
+        if rule.support == REFUSED and name in req.model_fields_set and not _is_neutral(value, rule.neutral):
+            raise RequestError(f"{name} is not supported: {rule.note} (docs/openai-api.md lists every field)", name)
+
+
+def _is_neutral(value: Any, neutral: tuple) -> bool:
+    """value is one of ``neutral`` (True is not 1, False is not 0: a boolean asks for something else)."""
+    return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
