@@ -1,13 +1,26 @@
-"""Serving throughput under concurrency, with decode CUDA graphs on and off (the runner's A/B).
+"""Serving under many clients, the way the field measures it (vLLM's benchmark_serving, SGLang's
+bench_serving): distinct prompts streamed through the real gateway of one `tandem serve` per backend
+and share of experts cached.
 
-For each graphs setting: start `tandem serve` (its own process, TANDEM_CUDA_GRAPHS=1|0), then for each
-concurrency C send C identical greedy streamed chat requests at once (ignore_eos: exactly D tokens
-each). Per row: aggregate generated tok/s (all tokens / wall time), mean TTFT, mean per-stream decode
-tok/s ((tokens - 1) / (last event - first event)), and whether all C outputs were identical (they must
-be: greedy, batch-invariant scheduler).
+Prompts: ``benchmarks/chat_prompts.py`` builds a reproducible set of distinct chat prompts (seeded; lengths
+drawn uniformly from 30-100 tokens, the issue's "short chat turn"). Distinct prompts route to distinct
+experts — identical prompts (the old version of this benchmark) share every expert and flatter the cache.
 
-    python benchmarks/bench_serving.py --model synthetic:qwen3-30b-a3b?layers=8 --device cuda \
-        --dtype bfloat16 --concurrency 1,4,8 --decode-tokens 128 --json runs/serving.json
+Two load modes, each a list of levels:
+  --concurrency 1,2,4,8,16,32   at most C requests in flight; ``--num-prompts`` requests per level
+                                (default max(8, 2C)), the next sent as soon as one ends
+  --request-rate 1,4,16         Poisson arrivals at R requests/s (exponential gaps, seeded), no cap
+
+Each request is a streamed greedy chat completion of exactly ``--output-tokens`` tokens (ignore_eos).
+Per level: total output tok/s (all tokens / wall time), per-stream decode tok/s ((tokens - 1) / (last
+event - first event)), TTFT and ITL (the gap between two streamed content events; the detokenizer may
+merge tokens into one event) at p50 and p99, requests/s, errors, the engine's expert miss rate over the
+level, and ``matches_solo``: the share of requests whose greedy text equals the same prompt's text at
+concurrency 1 (a request's output should not depend on its neighbours; see docs/serving.md).
+
+    python -m benchmarks.bench_serving --model 'synthetic:qwen3-30b-a3b?layers=24' --device cuda \\
+        --dtype bfloat16 --backend resident,offload,hybrid --cache-rate 0.33 \\
+        --concurrency 1,2,4,8,16,32 --json serving.jsonl --plot serving.png
 """
 
 from __future__ import annotations
@@ -16,7 +29,7 @@ import argparse
 import asyncio
 import datetime as dt
 import json
-import os
+import random
 import statistics
 import sys
 import time
@@ -24,99 +37,246 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.bench_decode_moe import _delta, engine_summary
+from benchmarks.chat_prompts import chat_prompts
 from benchmarks.server_process import ServerProcess
 
-PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100) of ``values``; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, model: str, tokens: int) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
-    t0 = time.perf_counter()
-    events, text, usage = [], [], None
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            for ch in chunk.get("choices", []):
-                if ch.get("delta", {}).get("content"):
-                    events.append(time.perf_counter())
-                    text.append(ch["delta"]["content"])
+async def stream_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, tokens: int) -> dict:
+    """One streamed greedy chat completion; its timings, text and usage (or its error)."""
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": True}  # extension: exactly `tokens` decode steps
+    t_sent = time.perf_counter()
+    events: list[float] = []
+    text, usage = [], None
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                return {"error": f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"}
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices", []):
+                    if choice.get("delta", {}).get("content"):
+                        events.append(time.perf_counter())
+                        text.append(choice["delta"]["content"])
+    except httpx.HTTPError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    if usage is None or not events:
+        return {"error": f"stream ended early: {len(events)} events, usage={usage}"}
     n = usage["completion_tokens"]
-    span = events[-1] - events[0] if len(events) > 1 else float("nan")
-    return {"ttft_s": events[0] - t0, "decode_tok_s": (n - 1) / span, "tokens": n, "text": "".join(text)}
+    return {"ttft_s": events[0] - t_sent, "itl_s": [b - a for a, b in zip(events, events[1:])],
+            "stream_tok_s": (n - 1) / (events[-1] - events[0]) if len(events) > 1 else None,
+            "tokens": n, "prompt_tokens": usage["prompt_tokens"], "text": "".join(text)}
 
 
-async def run_level(url: str, model: str, concurrency: int, tokens: int) -> dict:
-    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+async def run_level(url: str, model: str, prompts: list[str], tokens: int, concurrency: int | None,
+                    rate: float | None, seed: int) -> tuple[list[dict], float]:
+    """Send ``prompts`` (index order) with at most ``concurrency`` in flight, or as Poisson arrivals at
+    ``rate``/s; the per-request results (in prompt order) and the level's wall time."""
+    in_flight = asyncio.Semaphore(concurrency or len(prompts))
+    gaps = random.Random(seed)
+    limits = httpx.Limits(max_connections=(concurrency or len(prompts)) + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), limits=limits) as client:
+        async def one(prompt: str) -> dict:
+            async with in_flight:
+                return await stream_request(client, url, model, prompt, tokens)
+
         t0 = time.perf_counter()
-        rows = await asyncio.gather(*(one_stream(client, url, model, tokens) for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-    return {"concurrency": concurrency, "total_tok_s": sum(r["tokens"] for r in rows) / wall,
-            "ttft_ms_mean": 1e3 * statistics.mean(r["ttft_s"] for r in rows),
-            "stream_tok_s_mean": statistics.mean(r["decode_tok_s"] for r in rows),
-            "identical": len({r["text"] for r in rows}) == 1, "wall_s": wall}
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(one(prompt)))
+            if rate:
+                await asyncio.sleep(gaps.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - t0
 
 
-def bench_server(args: argparse.Namespace, graphs: bool, log_dir: Path) -> list[dict]:
-    os.environ["TANDEM_CUDA_GRAPHS"] = "1" if graphs else "0"  # inherited by the server process
-    max_running = max(args.concurrency_list)
-    server = ServerProcess(["--model", args.model, "--device", args.device, "--dtype", args.dtype,
-                            "--moe-backend", args.moe_backend, "--max-running-requests", str(max_running),
-                            "--max-seq-len", str(args.decode_tokens + 256), *args.server_arg],
-                           log_dir / f"serve-graphs-{int(graphs)}.log")
-    rows = []
+def summarize_level(results: list[dict], wall_s: float, solo_texts: dict[int, str]) -> dict:
+    ok = [r for r in results if "error" not in r]
+    ttft = [r["ttft_s"] * 1e3 for r in ok]
+    itl = [gap * 1e3 for r in ok for gap in r["itl_s"]]
+    streams = [r["stream_tok_s"] for r in ok if r["stream_tok_s"]]
+    compared = [i for i, r in enumerate(results) if "error" not in r and i in solo_texts]
+    return {
+        "requests": len(results), "errors": len(results) - len(ok),
+        "first_error": next((r["error"] for r in results if "error" in r), None),
+        "wall_s": wall_s, "req_s": len(ok) / wall_s,
+        "total_tok_s": sum(r["tokens"] for r in ok) / wall_s,
+        "stream_tok_s_mean": statistics.fmean(streams) if streams else None,
+        "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
+        "itl_ms_p50": percentile(itl, 50), "itl_ms_p99": percentile(itl, 99),
+        "prompt_tokens_mean": statistics.fmean(r["prompt_tokens"] for r in ok) if ok else None,
+        "matches_solo": (sum(results[i]["text"] == solo_texts[i] for i in compared) / len(compared)
+                         if compared else None),
+    }
+
+
+def server_args(args: argparse.Namespace, backend: str, cache_rate: float | None, max_running: int) -> list[str]:
+    out = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--moe-backend", backend,
+           "--max-running-requests", str(max_running), "--max-seq-len", str(args.max_prompt_tokens + args.output_tokens)]
+    if backend != "resident" and cache_rate is not None:
+        out += ["--moe-cache-rate", str(cache_rate)]
+    elif backend != "resident":
+        out += ["--moe-cache-auto"]
+    return out + args.server_arg
+
+
+def levels(args: argparse.Namespace) -> list[tuple[str, float]]:
+    """("concurrency", C) levels first (C=1 gives the solo texts), then ("rate", R) levels."""
+    return [("concurrency", c) for c in args.concurrency_list] + [("rate", r) for r in args.rate_list]
+
+
+def run_server(args: argparse.Namespace, backend: str, cache_rate: float | None) -> list[dict]:
+    """One server, every level; a row per level (a failed server gives one row with its error)."""
+    max_running = max([*args.concurrency_list, args.max_running_requests or 0, 1])
+    tag = f"{backend}" + (f"-{cache_rate}" if cache_rate is not None and backend != "resident" else "")
+    server = ServerProcess(server_args(args, backend, cache_rate, max_running), args.log_dir / f"serve-{tag}.log")
+    base = {"backend": backend, "cache_rate": None if backend == "resident" else cache_rate, "model": args.model,
+            "device": args.device, "dtype": args.dtype, "output_tokens": args.output_tokens,
+            "max_running_requests": max_running, "command": server.command}
+    rows: list[dict] = []
     try:
         server.wait_ready(args.startup_timeout)
         model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
-        asyncio.run(run_level(server.url, model, 1, 8))  # warm-up
-        sizes = httpx.get(f"{server.url}/engine/v1/stats", timeout=30).json().get("cuda_graph_sizes")
-        for c in args.concurrency_list:
-            row = asyncio.run(run_level(server.url, model, c, args.decode_tokens))
-            rows.append({"graphs": graphs, "graph_sizes": sizes, "model": args.model, "backend": args.moe_backend,
-                         "device": args.device, "decode_tokens": args.decode_tokens, **row,
-                         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")})
-    except Exception as exc:  # report and keep the other setting's numbers
-        rows.append({"graphs": graphs, "error": f"{type(exc).__name__}: {exc}", "log_tail": server.log_tail()})
+        # warm-up on prompts outside the measured set: caches and compiled shapes at their steady state
+        asyncio.run(run_level(server.url, model, args.warmup_prompts, args.output_tokens, 4, None, args.seed))
+        solo_texts: dict[int, str] = {}
+        for mode, level in levels(args):
+            count = args.num_prompts or max(8, 2 * int(level)) if mode == "concurrency" else args.num_prompts or 32
+            prompts = args.prompts[:count]
+            before = httpx.get(f"{server.url}/engine/v1/stats", timeout=30).json()
+            results, wall = asyncio.run(run_level(server.url, model, prompts, args.output_tokens,
+                                                  int(level) if mode == "concurrency" else None,
+                                                  level if mode == "rate" else None, args.seed))
+            after = httpx.get(f"{server.url}/engine/v1/stats", timeout=30).json()
+            if mode == "concurrency" and level == 1:
+                solo_texts = {i: r["text"] for i, r in enumerate(results) if "error" not in r}
+            summary = engine_summary(_delta(before, after))
+            rows.append({**base, "mode": mode, mode: level, **summarize_level(results, wall, solo_texts),
+                         "miss_rate": summary["miss_rate"], "fetch_share": summary["fetch_share"],
+                         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "ok": True})
+            print(table_line(rows[-1]), flush=True)
+    except Exception as exc:  # one failing server must not stop the others
+        rows.append({**base, "ok": False, "error": f"{type(exc).__name__}: {exc}", "log_tail": server.log_tail()})
+        print(f"{tag}: FAILED {rows[-1]['error'][:200]}", flush=True)
     finally:
-        server.stop()
+        server.stop(pause_s=2.0 if args.device == "cuda" else 0.0)
     return rows
+
+
+# (row key, column width, format of a value); "level" is the row's concurrency or request rate
+COLUMNS = [("backend", 9, "{}"), ("cache_rate", 5, "{}"), ("mode", 11, "{}"), ("level", 6, "{}"),
+           ("total_tok_s", 9, "{:.1f}"), ("stream_tok_s_mean", 9, "{:.1f}"), ("ttft_ms_p50", 8, "{:.0f}"),
+           ("ttft_ms_p99", 8, "{:.0f}"), ("itl_ms_p50", 7, "{:.1f}"), ("itl_ms_p99", 7, "{:.1f}"),
+           ("req_s", 6, "{:.2f}"), ("errors", 6, "{}"), ("miss_rate", 6, "{:.3f}"), ("matches_solo", 6, "{:.2f}")]
+
+
+def table_line(row: dict) -> str:
+    cells = []
+    for key, width, fmt in COLUMNS:
+        value = row.get(row["mode"]) if key == "level" else row.get(key)
+        cells.append((fmt.format(value) if value is not None else "-").rjust(width))
+    return " | ".join(cells)
+
+
+def plot_rows(rows: list[dict], path: Path) -> Path:
+    """Total tok/s and TTFT p50 against concurrency, one line per backend (and cache share)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    lines: dict[str, list[dict]] = {}
+    for r in rows:
+        if r.get("ok") and r.get("mode") == "concurrency":
+            label = r["backend"] + (f" {100 * r['cache_rate']:.0f} % cached" if r["cache_rate"] is not None else "")
+            lines.setdefault(label, []).append(r)
+    if not lines:
+        raise ValueError("no successful concurrency rows to plot")
+    fig, (tput, ttft) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, series in sorted(lines.items()):
+        series.sort(key=lambda r: r["concurrency"])
+        xs = [r["concurrency"] for r in series]
+        tput.plot(xs, [r["total_tok_s"] for r in series], marker="o", label=label)
+        ttft.plot(xs, [r["ttft_ms_p50"] for r in series], marker="o", label=label)
+    for ax, ylabel in ((tput, "total output tok/s"), (ttft, "TTFT p50 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    tput.legend()
+    fig.suptitle(rows[0].get("model", ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def parse_list(text: str, kind: type) -> list:
+    return [kind(x) for x in text.split(",") if x.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="demo")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--moe-backend", default="resident")
-    p.add_argument("--concurrency", default="1,4,8", help="comma-separated numbers of simultaneous streams")
-    p.add_argument("--decode-tokens", type=int, default=128)
-    p.add_argument("--graphs", default="on,off", help="decode CUDA graphs: on, off or both")
-    p.add_argument("--startup-timeout", type=float, default=900)
-    p.add_argument("--server-arg", action="append", default=[], help="extra `tandem serve` flag (repeat)")
-    p.add_argument("--log-dir", type=Path, default=Path("runs/bench_serving"))
-    p.add_argument("--json", type=Path, help="write all rows to this JSON file")
+    p.add_argument("--model", default="demo", help="what `tandem serve --model` takes (default: demo)")
+    p.add_argument("--device", default="cuda", help="cuda or cpu (default: cuda)")
+    p.add_argument("--dtype", default="bfloat16", help="model dtype (default: bfloat16)")
+    p.add_argument("--backend", default="resident,offload,hybrid",
+                   help="comma-separated --moe-backend values, one server each (default: resident,offload,hybrid)")
+    p.add_argument("--cache-rate", type=float, default=0.33,
+                   help="share of experts cached for the non-resident backends (default: 0.33)")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32",
+                   help="comma-separated in-flight caps, one level each ('' for none; default: 1,2,4,8,16,32)")
+    p.add_argument("--request-rate", default="",
+                   help="comma-separated Poisson arrival rates in requests/s, one level each (default: none)")
+    p.add_argument("--num-prompts", type=int, default=0,
+                   help="requests per level (default 0: max(8, 2C) at concurrency C, 32 at a request rate)")
+    p.add_argument("--output-tokens", type=int, default=128, help="tokens generated per request (default: 128)")
+    p.add_argument("--max-prompt-tokens", type=int, default=512,
+                   help="room for the prompt in the server's --max-seq-len (default: 512; the demo's tokenizer "
+                        "spends ~3x the tokens of a real one)")
+    p.add_argument("--max-running-requests", type=int, default=0,
+                   help="the server's --max-running-requests (default 0: the largest concurrency level)")
+    p.add_argument("--seed", type=int, default=0, help="prompt set and Poisson gaps (default: 0)")
+    p.add_argument("--startup-timeout", type=float, default=900, help="seconds to wait for each server (default: 900)")
+    p.add_argument("--server-arg", action="append", default=[], help="an extra `tandem serve` flag (repeatable)")
+    p.add_argument("--log-dir", type=Path, default=Path("runs/bench_serving"),
+                   help="server logs (default: runs/bench_serving)")
+    p.add_argument("--json", type=Path, help="write the rows as JSON lines to this file")
+    p.add_argument("--plot", type=Path, help="write tok/s and TTFT against concurrency to this PNG")
     args = p.parse_args(argv)
-    args.concurrency_list = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    args.concurrency_list = parse_list(args.concurrency, int)
+    args.rate_list = parse_list(args.request_rate, float)
+    if not args.concurrency_list and not args.rate_list:
+        p.error("give at least one --concurrency or --request-rate level")
+    if any(c < 1 for c in args.concurrency_list) or any(r <= 0 for r in args.rate_list):
+        p.error("concurrency levels must be >= 1 and request rates > 0")
+    most = max([args.num_prompts, 32, *(max(8, 2 * c) for c in args.concurrency_list)])
+    everything = chat_prompts(most + 4, seed=args.seed)
+    args.prompts, args.warmup_prompts = everything[:most], everything[most:]
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for g in [x.strip() for x in args.graphs.split(",") if x.strip()]:
-        rows += bench_server(args, g == "on", args.log_dir)
-    cols = ["graphs", "concurrency", "total_tok_s", "stream_tok_s_mean", "ttft_ms_mean", "identical"]
-    print(" | ".join(f"{c:>17}" for c in cols))
-    for r in rows:
-        if "error" in r:
-            print(f"graphs={r['graphs']}: FAILED {r['error'][:150]}")
-            continue
-        print(" | ".join(f"{r[c]:>17.2f}" if isinstance(r[c], float) else f"{str(r[c]):>17}" for c in cols))
+    print(" | ".join(key[:width].rjust(width) for key, width, _ in COLUMNS), flush=True)
+    rows: list[dict] = []
+    for backend in parse_list(args.backend, str):
+        rows += run_server(args, backend, None if backend == "resident" else args.cache_rate)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2))
-    return 0 if rows and all("error" not in r and r["identical"] for r in rows) else 1
+        args.json.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if args.plot:
+        plot_rows(rows, args.plot)
+    return 0 if rows and all(r["ok"] and not r["errors"] for r in rows) else 1
 
 
 if __name__ == "__main__":
