@@ -1,6 +1,9 @@
 # Two commands matter: `make run` (serve the demo model locally) and `make test` (what CI runs).
 # Both set everything up on first use: system packages (apt), the .venv, the project itself.
 PYTHON ?= python3
+# Where torch comes from when no wheel of it is on this machine already (scripts/install-torch.sh):
+# PyTorch's CPU build by default; https://pypi.org/simple for PyPI's CUDA build; "" for pip's own choice.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
@@ -14,6 +17,7 @@ $(STAMP): pyproject.toml
 	@bash scripts/setup-system.sh
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	@TORCH_INDEX='$(TORCH_INDEX)' bash scripts/install-torch.sh $(PY)
 	$(PY) -m pip install -q -e '.[engine,gateway,worker,dev]'
 	@rm -f $(VENV)/.installed-*; touch $@
 
