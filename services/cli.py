@@ -19,8 +19,20 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
 }
 
 
+def version() -> str:
+    """The installed distribution's version (pyproject.toml's, once `pip install -e .` ran)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("tandem")
+    except PackageNotFoundError:
+        return "(not installed: run `pip install -e .` in the repository)"
+
+
 def _usage() -> str:
-    lines = ["usage: tandem COMMAND [flags]   (tandem COMMAND --help for each command's flags)", "", "commands:"]
+    lines = ["usage: tandem COMMAND [flags]   (tandem COMMAND --help for each command's flags)",
+             "       tandem --version", "", "commands:"]
     for words, (_, summary) in COMMANDS.items():
         lines.append(f"  {' '.join(words):<18} {summary}")
     return "\n".join(lines)
@@ -33,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
             module_name, func_name = target.split(":")
             func = getattr(importlib.import_module(module_name), func_name)
             return int(func(argv[len(words):]) or 0)
+    if argv[:1] == ["--version"]:
+        print(f"tandem {version()}")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0

@@ -181,15 +181,19 @@ class Stack:
             time.sleep(0.5)
 
     def check_alive(self) -> None:
-        """Raise naming the first service that exited, with the end of its log."""
+        """Raise naming the first service that exited, with its log's last line: the reason, when the
+        service says why it stops (`tandem engine: cannot serve ...`) or dies on an exception."""
         for service, proc in self.procs.items():
             if proc.poll() is not None:
-                raise RuntimeError(f"{service} exited with code {proc.returncode}; "
-                                   f"{self.run_dir / (service + '.log')} ends with:\n{self.log_tail(service)}")
+                last = self.log_tail(service, lines=1) or "(empty log)"
+                raise RuntimeError(f"{service} exited with code {proc.returncode}: {last} "
+                                   f"(log: {self.run_dir / (service + '.log')})")
 
     def log_tail(self, service: str, lines: int = 30) -> str:
+        """The last ``lines`` non-empty lines of ``service``'s log."""
         path = self.run_dir / f"{service}.log"
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+        text = path.read_text(errors="replace").splitlines() if path.exists() else []
+        return "\n".join([line for line in text if line.strip()][-lines:])
 
     def stop(self, grace: float = 15.0) -> None:
         """SIGTERM each service's process group in reverse start order; SIGKILL what outlives ``grace``."""

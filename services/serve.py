@@ -44,14 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level)
     engine_cfg = config_or_exit("tandem serve", EngineConfig, args)
     gateway_cfg = config_or_exit("tandem serve", GatewayConfig, args, engines="in-process")
-    import uvicorn
-
     from fastapi import Depends
 
-    from services.engine.api import create_router
+    from services.engine.api import create_router, run_until_stopped
     from services.engine.engine import Engine
+    from services.engine.preflight import check_model_or_exit
     from services.gateway.engines import InProcessEngineClient
 
+    check_model_or_exit("tandem serve", engine_cfg)
     keys = gateway_cfg.api_key_list
 
     def ready() -> None:
@@ -65,12 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     # The engine's own API (/engine/v1/info, /stats, ...) on the same port, behind the same API keys:
     # benchmarks and operators read engine stats from a single-process server too.
     app.include_router(create_router(engine, dependencies=[Depends(app.state.api_key_guard)]))
-    engine.start()
     log.info("gateway on http://%s:%d; loading %s in the background (GET /health for progress)",
              gateway_cfg.host, gateway_cfg.port, engine_cfg.model)
-    try:
-        uvicorn.run(app, host=gateway_cfg.host, port=gateway_cfg.port, log_level="warning",
-                    timeout_graceful_shutdown=2)
-    finally:
-        engine.shutdown()
-    return 0
+    return run_until_stopped("tandem serve", app, engine, gateway_cfg.host, gateway_cfg.port)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import uuid
 from typing import Any
 
@@ -27,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from services.common.logging import get_logger, setup_logging
 from services.common.settings import add_dataclass_arguments, config_or_exit
 from services.engine.config import EngineConfig
-from services.engine.engine import (Engine, EngineNotReadyError, InvalidRequestError, QueueFullError,
+from services.engine.engine import (Engine, EngineNotReadyError, InvalidRequestError, Maintenance, QueueFullError,
                                     RequestStream)
 from services.engine.reports import API_VERSION
 from services.engine.runtime.sampler import SamplingParams
@@ -171,15 +172,32 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     config = config_or_exit("tandem engine", EngineConfig, args)
-    import uvicorn
+    from services.engine.preflight import check_model_or_exit  # the model stack: not for --help
 
+    check_model_or_exit("tandem engine", config)
     url = f"http://{config.host}:{config.port}"
     engine = Engine(config, on_ready=lambda: log.info("ready on %s (model %s, backend %s)", url,
                                                       engine.loaded.model_id, config.moe_backend.value))
-    engine.start()
-    app = create_app(engine)
     log.info("engine API on http://%s:%d (model %s loading in the background; GET /health for progress)",
              config.host, config.port, config.model)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=2)
-    engine.shutdown()
+    return run_until_stopped("tandem engine", create_app(engine), engine, config.host, config.port)
+
+
+def run_until_stopped(prog: str, app: FastAPI, engine: Engine, host: str, port: int) -> int:
+    """Start ``engine`` and serve ``app`` until Ctrl-C / SIGTERM (status 0), or until the model fails to
+    load: then the reason on one line of stderr and status 1, so `tandem stack`, compose and other
+    supervisors see the failure at once instead of a /health that answers 503 forever."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                           timeout_graceful_shutdown=2))
+    engine.on_load_failed = lambda: setattr(server, "should_exit", True)
+    engine.start()
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    if engine.maintenance is Maintenance.FAILED and engine.loaded is None:
+        print(f"{prog}: cannot serve {engine.config.model}: {str(engine.error).splitlines()[0]}", file=sys.stderr)
+        return 1
     return 0

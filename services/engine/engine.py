@@ -89,6 +89,8 @@ class Engine:
         """``load`` defaults to the model registry's load_model; ``on_ready`` runs once serving starts."""
         self.config = config
         self._on_ready = on_ready
+        # Runs on the model thread once loading failed (``error`` says why): the CLI stops its server.
+        self.on_load_failed: Callable[[], None] | None = None
         self.maintenance = Maintenance.LOADING
         self.progress: dict = {}
         self.error: str | None = None
@@ -138,13 +140,15 @@ class Engine:
     def _main(self) -> None:
         try:
             self._load_model()
-        except Exception as exc:  # reported through /health; the process stays up to say why
+        except Exception as exc:  # reported through /health and on_load_failed (`tandem engine`/`serve` exit)
             if isinstance(exc, ValueError):  # bad input (LoaderError, a cache too small...): the message says it all
-                log.error("cannot serve %s: %s (GET /health reports it; fix the input and restart)", self.config.model, exc)
+                log.error("cannot serve %s: %s", self.config.model, exc)
             else:
                 log.exception("loading %s failed", self.config.model)
             self.error = f"{type(exc).__name__}: {exc}"
             self.maintenance = Maintenance.FAILED
+            if self.on_load_failed is not None:
+                self.on_load_failed()
             return
         self.maintenance = Maintenance.SERVING
         log.info("ready: model %s, backend %s, %d slots x %d tokens, decode overlap %s", self.loaded.model_id,

@@ -28,7 +28,7 @@ from services.engine.models.errors import LoaderError
 from services.engine.models.spec import ModelSpec
 from services.engine.moe.banks import ExpertBanks, ExpertFormat
 
-__all__ = ["LoaderError", "load_checkpoint", "read_spec", "check_tokenizer", "build_empty_model"]
+__all__ = ["LoaderError", "load_checkpoint", "read_spec", "check_tokenizer", "check_weight_files", "build_empty_model"]
 
 log = get_logger("loader")
 
@@ -53,6 +53,14 @@ def check_tokenizer(model_dir: Path) -> None:
     path = Path(model_dir) / "tokenizer.json"
     if not path.is_file():
         raise LoaderError(f"{path}: missing tokenizer.json (the engine needs the checkpoint's tokenizer)")
+
+
+def check_weight_files(model_dir: Path) -> None:
+    """Read the shard index and every safetensors header, no weights: a missing, truncated or corrupt
+    file is named in milliseconds instead of when the loader reaches it."""
+    ckpt = _Checkpoint(model_dir)
+    for path in sorted(set(ckpt.file_of.values())):
+        ckpt._open(path)
 
 
 def build_empty_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> MoECausalLM:

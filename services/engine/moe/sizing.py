@@ -86,11 +86,13 @@ def _auto_slots(config: EngineConfig, geom: CacheGeometry, device: torch.device,
 
 
 def decide_cache_size(config: EngineConfig, geom: CacheGeometry, device: torch.device, weight_bytes: int = 0,
-                      kv_reserve_bytes: int = 0, free_bytes: int | None = None) -> CacheDecision:
+                      kv_reserve_bytes: int = 0, free_bytes: int | None = None,
+                      log_decision: bool = True) -> CacheDecision:
     """The slot count for ``config``'s sizing flag, logged; ValueError below the minimum.
 
     weight_bytes: non-expert weights already on the device · kv_reserve_bytes: KV cache still to come ·
-    free_bytes: free device memory (None = ask CUDA; a parameter so tests can fix it)."""
+    free_bytes: free device memory (None = ask CUDA; a parameter so tests can fix it) · log_decision:
+    False for the engine's preflight check, which decides the same thing again before loading."""
     if config.moe_cache_size is not None:
         slots, flag = config.moe_cache_size, f"--moe-cache-size {config.moe_cache_size}"
         how = flag
@@ -110,5 +112,6 @@ def decide_cache_size(config: EngineConfig, geom: CacheGeometry, device: torch.d
         how += f"; capped at all {geom.total_experts} experts"
         slots = geom.total_experts
     decision = CacheDecision(slots, slots * geom.expert_nbytes, slots / geom.total_experts, how)
-    log.info("expert cache: %s", decision.describe())
+    if log_decision:
+        log.info("expert cache: %s", decision.describe())
     return decision
