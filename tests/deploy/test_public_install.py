@@ -6,7 +6,8 @@ pins). Each check here runs pip with this machine's configuration ignored (``--i
 https://pypi.org/simple: ``--dry-run --report`` resolves without installing, and ``fast-deps`` reads
 each wheel's metadata with HTTP range requests instead of downloading it (PyPI's torch alone is a
 526 MB wheel plus ~2.5 GB of nvidia-* wheels; the test asserts pip read far less than one torch).
-About 10 s per check on our CI machine; it needs PyPI to be reachable.
+About 10 s per check on our CI machine; it needs PyPI to be reachable. Last, `make setup`'s torch
+step (scripts/install-torch.sh): a torch already here is kept, TORCH_INDEX is used otherwise.
 """
 
 from __future__ import annotations
@@ -131,3 +132,14 @@ def test_install_torch_takes_the_pin_from_torch_index_when_no_wheel_is_local(tmp
     [torch] = json.loads(report.read_text())["install"]
     assert torch["metadata"]["version"] == pinned("torch==", extra("engine")).split("==")[1]
     assert torch["download_info"]["url"].startswith("https://files.pythonhosted.org/")
+
+
+def test_install_torch_keeps_an_installed_torch_without_asking_an_index(tmp_path):
+    """This venv already has the pinned torch (`make setup` put it there): the step is satisfied
+    locally, and TORCH_INDEX (here a port nothing listens on) is never asked."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update(PIP_CONFIG_FILE=os.devnull, TORCH_INDEX="http://127.0.0.1:9/simple")
+    result = subprocess.run(["bash", str(REPO / "scripts" / "install-torch.sh"), sys.executable, "--dry-run"],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "from a wheel already on this machine" in result.stdout
