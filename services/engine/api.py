@@ -4,7 +4,7 @@
     GET  /metrics                Prometheus text
     GET  /engine/v1/info         model id, max_seq_len, tokenizer.json text, tokenizer/generation config, eos ids
     POST /engine/v1/generate     {request_id, prompt_token_ids, sampling{...}} -> NDJSON lines
-                                 {token_ids, finish_reason, prompt_tokens, completion_tokens[, stop_token_id]}
+                                 {token_ids, finish_reason, prompt_tokens, completion_tokens, cached_tokens[, stop_token_id]}
                                  a client that disconnects aborts the request (its KV slot is freed)
     POST /engine/v1/abort        {request_id}
     GET  /engine/v1/stats        JSON (throughput, running/waiting, KV use, expert-cache counters, VRAM)

@@ -86,6 +86,9 @@ class EngineConfig:
     max_seq_len: int = field(4096, help="most tokens (prompt + generated) per request; also sizes the KV cache")
     max_prefill_tokens: int | None = field(None, help="most prompt tokens computed per step; longer prompts are prefilled in "
                                                       "chunks, so running requests keep decoding; unset = whole prompts")
+    prefix_cache: bool = field(True, help="reuse the KV of a prompt's longest prefix already computed (a multi-turn "
+                                         "chat's history, a system prompt shared by users) from a finished request's "
+                                         "KV slot or a running one, instead of prefilling it again")
     host: str = field("127.0.0.1", help="address to listen on")
     port: int = field(8001, help="port to listen on")
     seed: int = field(0, help="seed for synthetic weights and the demo checkpoint")

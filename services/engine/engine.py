@@ -196,7 +196,8 @@ class Engine:
         self.runner = ModelRunner(self.loaded, cfg.max_running_requests, cfg.max_seq_len, device, dtype,
                                   backend_name=cfg.moe_backend.value)
         self.scheduler = Scheduler(cfg.max_running_requests, cfg.max_waiting_requests, cfg.max_seq_len,
-                                   self._info["eos_token_ids"], max_prefill_tokens=cfg.max_prefill_tokens)
+                                   self._info["eos_token_ids"], max_prefill_tokens=cfg.max_prefill_tokens,
+                                   prefix_cache=cfg.prefix_cache)
         log.info("loaded %s in %.1f s", self.loaded.model_id, time.monotonic() - t0)
 
     def _on_progress(self, progress: dict) -> None:

@@ -47,6 +47,7 @@ class Generation:
     stop: list[str]
     request_id: str = field(default_factory=new_request_id)
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache
     finish_reason: str | None = None
     text: str = ""
 
@@ -56,7 +57,8 @@ class Generation:
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
 def sampling_from_request(req, engine: EngineState, max_tokens: int | None) -> dict:
@@ -141,6 +143,7 @@ async def deltas(gen: Generation, stream) -> AsyncIterator[Delta]:
         async for out in stream:
             ids = out.get("token_ids", [])
             gen.completion_tokens = out.get("completion_tokens", gen.completion_tokens + len(ids))
+            gen.cached_tokens = out.get("cached_tokens", gen.cached_tokens)
             finish = out.get("finish_reason")
             if finish == "stop" and out.get("stop_token_id") is not None and ids:
                 ids = ids[:-1]  # the EOS/stop token ends the text, it is not part of it

@@ -260,3 +260,15 @@ def test_engine_generate_contract(stack):
     assert r.status_code == 400
     too_long = httpx.post(url, json={**body, "sampling": {"max_tokens": 600}}, timeout=30).json()
     assert "--max-seq-len 512" in too_long["error"]["message"]
+
+
+def test_next_chat_turn_reports_its_cached_prefix(client):
+    """The second turn repeats the first turn's prompt and answer: the engine's prefix cache holds all of it
+    but the answer's last token (never fed), and usage says so, as OpenAI's prompt_tokens_details does."""
+    first = [{"role": "user", "content": "Name three lighthouse keepers of legend, please."}]
+    r1 = client.chat.completions.create(model=MODEL, messages=first, max_tokens=6, temperature=0)
+    second = first + [{"role": "assistant", "content": r1.choices[0].message.content},
+                      {"role": "user", "content": "And one more?"}]
+    r2 = client.chat.completions.create(model=MODEL, messages=second, max_tokens=6, temperature=0)
+    assert r1.usage.prompt_tokens_details.cached_tokens < r1.usage.prompt_tokens
+    assert r1.usage.prompt_tokens <= r2.usage.prompt_tokens_details.cached_tokens < r2.usage.prompt_tokens

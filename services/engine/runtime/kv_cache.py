@@ -90,6 +90,12 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
+    def copy_prefix(self, src: int, dst: int, num_tokens: int) -> None:
+        """Copy the K/V of positions ``[0, num_tokens)`` from slot ``src`` to slot ``dst`` in every layer
+        (the prefix cache; queued on the current stream like the forward that follows)."""
+        for cache in (*self.k, *self.v):
+            cache[dst, :num_tokens].copy_(cache[src, :num_tokens])
+
     def check(self, batch: ForwardBatch) -> None:
         """Raise if the batch addresses a slot or a position outside the cache."""
         if batch.kv_len is not None and not 0 < batch.kv_len <= self.max_seq_len:

@@ -91,6 +91,8 @@ class ModelRunner:
         ids, row for row (a chained batch, ``Scheduler.continue_batch``). On CUDA the tokens are copied
         to pinned memory behind the sampling, and ``collect`` waits for that copy alone."""
         ids = after.tokens if after is not None else None  # [N] on the device
+        for src, dst, n in batch.kv_copies:  # prefix-cache hits held by another slot
+            self.kv.copy_prefix(src, dst, n)
         logits = None
         if self.graphs is not None and batch.num_prefill == 0:
             logits = self.graphs.run(batch.input_ids, batch.positions, batch.slots, ids)  # [N, V] or None

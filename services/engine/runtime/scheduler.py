@@ -8,6 +8,13 @@ the running requests' decode for more than one budget's worth of compute; only t
 a prompt samples its first token. Requests wait in a bounded FIFO queue; each running request owns
 one KV slot (``max_running_requests`` slots in all) until it finishes or is aborted.
 
+Prefix cache: a freed slot keeps the K/V of the tokens its request computed. A new request takes the
+free slot holding the longest prefix of its prompt (else the least recently freed one), or, when a
+running request's slot or another free slot holds a longer prefix (a system prompt shared by users), a
+copy of that prefix into its slot (``ScheduledBatch.kv_copies``, done by the runner before the forward);
+its prefill then starts after the prefix. The last prompt token is always computed (its logits give the
+first token).
+
 Everything here runs on the engine thread; only ``Request.emit`` crosses to the API side.
 """
 
@@ -55,6 +62,7 @@ class Request:
     emit: Callable[[dict], None]  # called on the engine thread with each output (see Scheduler._output)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # prompt tokens whose K/V are in the cache (chunked prefill)
+    num_cached: int = 0  # of those, the prefix taken from the prefix cache (not computed for this request)
     slot: int | None = None
     generator: torch.Generator | None = None  # created by the runner on the compute device
     finish_reason: FinishReason | None = None
@@ -71,6 +79,23 @@ class Request:
     def prefilling(self) -> bool:
         return self.num_computed < len(self.prompt_token_ids)
 
+    def computed_tokens(self) -> list[int]:
+        """The tokens whose K/V are in this request's slot, in position order (the last sampled token is
+        not: it is fed by the next step)."""
+        if self.prefilling:
+            return self.prompt_token_ids[:self.num_computed]
+        return (self.prompt_token_ids + self.output_token_ids)[:self.num_tokens - 1]
+
+
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the common prefix of ``a`` and ``b``, at most ``limit``."""
+    n = 0
+    for x, y in zip(a[:limit], b[:limit]):
+        if x != y:
+            break
+        n += 1
+    return n
+
 
 @dataclass
 class ScheduledBatch:
@@ -83,6 +108,8 @@ class ScheduledBatch:
     slots: list[int]  # [N]
     start_pos: list[int]  # [N] tokens already in each slot's cache
     query_lens: list[int]  # [N]
+    # (source slot, destination slot, tokens): K/V prefixes the runner copies before the forward, in order
+    kv_copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -99,7 +126,7 @@ class Scheduler:
     """FIFO admission into a fixed set of KV slots; stop checks after each step."""
 
     def __init__(self, max_running: int, max_waiting: int, max_seq_len: int, eos_token_ids: list[int],
-                 max_prefill_tokens: int | None = None):
+                 max_prefill_tokens: int | None = None, prefix_cache: bool = True):
         self.max_running = max_running
         self.max_waiting = max_waiting
         self.max_seq_len = max_seq_len
@@ -110,7 +137,11 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens or max(max_seq_len, 2048)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.free_slots: list[int] = list(range(max_running - 1, -1, -1))  # pop() gives slot 0 first
+        self.free_slots: list[int] = list(range(max_running))  # least recently freed first
+        self.prefix_cache = prefix_cache
+        self.slot_tokens: dict[int, list[int]] = {}  # free slot -> the tokens whose K/V it still holds
+        self.prompt_tokens_total = 0  # prompt tokens of admitted requests
+        self.cached_tokens_total = 0  # of those, taken from the prefix cache
 
     # -- admission ---------------------------------------------------------------------------
     def check(self, prompt_len: int, params: SamplingParams) -> None:
@@ -143,17 +174,18 @@ class Scheduler:
                 n = min(len(req.prompt_token_ids) - req.num_computed, budget)
                 chunks.append((req, n))
                 budget -= n
+        kv_copies: list[tuple[int, int, int]] = []
         while self.waiting and self.free_slots and budget > 0:
             req = self.waiting.popleft()
-            req.slot = self.free_slots.pop()
+            self._admit(req, kv_copies)
             self.running.append(req)
-            n = min(len(req.prompt_token_ids), budget)
+            n = min(len(req.prompt_token_ids) - req.num_computed, budget)
             chunks.append((req, n))
             budget -= n
         decoding = [r for r in self.running if not r.prefilling]
         if not chunks and not decoding:
             return None
-        batch = ScheduledBatch([r for r, _ in chunks] + decoding, len(chunks), [], [], [], [], [])
+        batch = ScheduledBatch([r for r, _ in chunks] + decoding, len(chunks), [], [], [], [], [], kv_copies)
         for req, n in chunks:
             start = req.num_computed
             batch.input_ids += req.prompt_token_ids[start:start + n]
@@ -169,6 +201,25 @@ class Scheduler:
             batch.start_pos.append(pos)
             batch.query_lens.append(1)
         return batch
+
+    def _admit(self, req: Request, kv_copies: list[tuple[int, int, int]]) -> None:
+        """Give ``req`` a free slot and the longest cached prefix of its prompt (see the module doc)."""
+        prompt = req.prompt_token_ids
+        limit = len(prompt) - 1 if self.prefix_cache else 0
+        matches = [(common_prefix(self.slot_tokens.get(s, []), prompt, limit), s) for s in self.free_slots]
+        own, slot = max(matches, key=lambda m: m[0])  # ties: the least recently freed slot (first in the list)
+        best, source = own, slot
+        for other in self.running:  # a prefix another request computed (a shared system prompt)
+            n = common_prefix(other.computed_tokens(), prompt, limit)
+            if n > best:
+                best, source = n, other.slot
+        if source != slot:
+            kv_copies.append((source, slot, best))
+        self.free_slots.remove(slot)
+        self.slot_tokens.pop(slot, None)  # while it runs, the request describes what its slot holds
+        req.slot, req.num_computed, req.num_cached = slot, best, best
+        self.prompt_tokens_total += len(prompt)
+        self.cached_tokens_total += best
 
     def continue_batch(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """The next decode step of ``batch``'s requests, built before its tokens are known (a chained
@@ -205,9 +256,9 @@ class Scheduler:
                 req.finish_reason, req.stop_token_id = FinishReason.STOP, tok
             elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_seq_len:
                 req.finish_reason = FinishReason.LENGTH
-            req.emit(self._output(req, [tok]))
-            if req.finish_reason is not None:
+            if req.finish_reason is not None:  # freed before the client hears of the end, so stats agree
                 self._release(req)
+            req.emit(self._output(req, [tok]))
 
     def abort(self, request_id: str) -> Request | None:
         """Drop a request wherever it is; frees its slot. Returns it, or None if unknown (already done)."""
@@ -233,6 +284,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         if req.slot is not None:
+            self.slot_tokens[req.slot] = req.computed_tokens() if self.prefix_cache else []
             self.free_slots.append(req.slot)
             req.slot = None
 
@@ -242,7 +294,7 @@ class Scheduler:
         out = {"token_ids": token_ids,
                "finish_reason": req.finish_reason.value if req.finish_reason else None,
                "prompt_tokens": len(req.prompt_token_ids),
-               "completion_tokens": len(req.output_token_ids)}
+               "completion_tokens": len(req.output_token_ids), "cached_tokens": req.num_cached}
         if req.stop_token_id is not None:
             out["stop_token_id"] = req.stop_token_id
         return out
@@ -252,4 +304,6 @@ class Scheduler:
         return {"running": len(self.running), "waiting": len(self.waiting),
                 "kv_slots_used": self.max_running - len(self.free_slots), "kv_slots_total": self.max_running,
                 "kv_tokens_used": used, "kv_tokens_total": self.max_running * self.max_seq_len,
-                "kv_usage": used / (self.max_running * self.max_seq_len)}
+                "kv_usage": used / (self.max_running * self.max_seq_len),
+                "prefix_cache": {"enabled": self.prefix_cache, "prompt_tokens": self.prompt_tokens_total,
+                                 "cached_tokens": self.cached_tokens_total}}

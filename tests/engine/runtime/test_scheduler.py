@@ -51,7 +51,8 @@ def test_abort_frees_slot_from_running_and_waiting():
     s.postprocess(s.schedule(), [3])
     assert s.abort("wait") is not None and outs["wait"][-1]["finish_reason"] == "abort"
     assert s.abort("run") is not None and outs["run"][-1] == {"token_ids": [], "finish_reason": "abort",
-                                                              "prompt_tokens": 2, "completion_tokens": 1}
+                                                              "prompt_tokens": 2, "completion_tokens": 1,
+                                                              "cached_tokens": 0}
     assert s.abort("run") is None
     assert s.stats()["kv_slots_used"] == 0 and not s.has_work()
 
