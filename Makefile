@@ -8,7 +8,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: setup system-deps run test test-fast lint clean
+.PHONY: setup system-deps run test test-fast test-images lint clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	@TORCH_INDEX='$(TORCH_INDEX)' bash scripts/install-torch.sh $(PY)
 	$(PY) -m pip install -q -e '.[engine,gateway,worker,dev]'
+	@# the CPU executor's C++ extension, compiled now rather than silently at the first hybrid start
+	$(PY) -m services.engine.moe.cpu_executor --build
 	@rm -f $(VENV)/.installed-*; touch $@
 
 system-deps:
@@ -34,6 +36,12 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow"
+
+# The images built and the compose stack run end to end (root, podman; CI runs it after `make test`).
+# Not part of `make test`: tests/deploy/compose_e2e.py is outside pytest's test_*.py collection.
+test-images: setup
+	@bash scripts/setup-system.sh images
+	$(PY) -m pytest -s tests/deploy/compose_e2e.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,14 +1,20 @@
 # syntax=docker/dockerfile:1
 # The GPU images: `engine` and `worker` share one CUDA + torch base (same host, same GPU, same wheels),
 # so they are two targets of one file:  docker build -f docker/gpu.Dockerfile --target engine .
-# The CUDA libraries come with the torch wheels (nvidia-* packages); the base image only provides the
-# driver-compatible runtime layout, gcc (Triton compiles its launcher stubs at run time) and Python.
-ARG CUDA_IMAGE=nvidia/cuda:12.8.1-base-ubuntu24.04
+#
+# Python packages come only from the wheelhouse (`python3 scripts/wheelhouse.py` on the host, see
+# deploy/README.md), bind-mounted for the two RUNs that install, so it adds nothing to the image and the
+# build needs no Python index (the air-gapped path). torch is PyPI's 2.13.0: a CUDA 13.0 build whose CUDA
+# libraries are wheels of their own (cuda-toolkit 13.0.3, cuDNN, NCCL), so one index serves every package
+# and no CUDA library of the base image is used. The base is CUDA 13.0 anyway, to match: its
+# NVIDIA_REQUIRE_CUDA makes the container toolkit refuse a driver too old for CUDA 13 (< 580) when the
+# container starts, naming the reason, instead of torch failing later. The CI test builds this same file
+# from a Debian stand-in base (tests/deploy/compose.ci.yml).
+ARG BASE_IMAGE=nvidia/cuda:13.0.0-base-ubuntu24.04
 
-FROM ${CUDA_IMAGE} AS base
-# torch is pinned like pyproject.toml's engine extra; the wheel comes from PyTorch's CUDA index.
-ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
+FROM ${BASE_IMAGE} AS base
+# The wheelhouse directory in the build context (scripts/wheelhouse.py --dest).
+ARG WHEELHOUSE=wheelhouse
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -16,21 +22,30 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
+# gcc at run time too: Triton compiles its launcher stubs when a kernel first runs.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc g++ \
     && rm -rf /var/lib/apt/lists/*
-RUN python3 -m venv /opt/venv \
-    && pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"
+# Third-party packages first, pinned by the wheelhouse's engine.txt: this layer (torch, GBs with CUDA)
+# stays cached while the code changes.
+RUN --mount=type=bind,source=${WHEELHOUSE},target=/wheelhouse \
+    if [ ! -f /wheelhouse/engine.txt ]; then \
+        echo "${WHEELHOUSE}/engine.txt is missing: run python3 scripts/wheelhouse.py first (deploy/README.md)" >&2; \
+        exit 1; \
+    fi \
+    && python3 -m venv /opt/venv \
+    && pip install --no-index --find-links /wheelhouse -r /wheelhouse/engine.txt
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY services ./services
 COPY kernels ./kernels
 COPY benchmarks ./benchmarks
-# torch is already satisfied by the CUDA wheel above (==2.13.0 matches 2.13.0+cu128); a mismatch
-# between TORCH_VERSION and pyproject.toml fails here rather than pulling a second torch.
-# The project itself (".[extra]"): its dependency pins live in pyproject.toml, not here.
-# hadolint ignore=DL3013
-RUN pip install ".[engine,worker]"
+# The project itself, editable: the C++ sources stay beside the code that compiles them. Its extras are
+# resolved against what is installed, so a wheelhouse older than pyproject.toml fails here, naming the
+# missing package.
+RUN --mount=type=bind,source=${WHEELHOUSE},target=/wheelhouse \
+    pip install --no-index --find-links /wheelhouse -e ".[engine,worker]" \
+    && pip check
 # The CPU executor's C++ extension, compiled once here (portable flags, ISA picked at run time) rather
 # than at each container start; owned by the runtime user because torch takes a lock file beside it.
 ENV TANDEM_EXT_DIR=/opt/tandem/ext

@@ -12,6 +12,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
+GPU_OVERRIDE = REPO / "docker-compose.override.yml"  # read by default with COMPOSE
 DCLINT_VERSION = "3.1.0"
 DCLINT_DIR = REPO / ".cache" / "dclint"  # gitignored; the test installs dclint here once
 
@@ -31,27 +32,48 @@ def run_dclint(path: Path) -> subprocess.CompletedProcess:
                            "--color", "false", str(path)], capture_output=True, text=True, timeout=120)
 
 
-def compose_config(path: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+def compose_config(*paths: Path, env: dict | None = None, quiet: bool = True) -> subprocess.CompletedProcess:
     assert shutil.which("docker-compose"), "docker-compose (v1) missing: scripts/setup-system.sh installs it"
-    return subprocess.run(["docker-compose", "-f", str(path), "config", "-q"], capture_output=True, text=True,
-                          cwd=path.parent, env=env, timeout=60)
+    files = [arg for path in paths for arg in ("-f", str(path))]
+    return subprocess.run(["docker-compose", *files, "config", *(["-q"] if quiet else [])], capture_output=True,
+                          text=True, cwd=paths[0].parent, env=env, timeout=60)
 
 
 def test_docker_compose_v1_config():
     result = compose_config(COMPOSE)
     assert result.returncode == 0, result.stderr
+    result = compose_config(COMPOSE, GPU_OVERRIDE)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_gpu_override_is_what_a_plain_up_reads():
+    """`docker compose up` on a GPU host reads docker-compose.yml + docker-compose.override.yml: both GPU
+    services reserve the same GPU; docker-compose.yml alone reserves none (the CPU path)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "COMPOSE_FILE"}
+    plain = yaml.safe_load(subprocess.run(["docker-compose", "config"], cwd=REPO, env=env, capture_output=True,
+                                          text=True, check=True, timeout=60).stdout)["services"]
+    for gpu_service in ("engine", "worker"):
+        devices = plain[gpu_service]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["driver"] == "nvidia" and devices[0]["capabilities"] == ["gpu"]
+    assert plain["engine"]["deploy"] == plain["worker"]["deploy"]
+    cpu = yaml.safe_load(compose_config(COMPOSE, quiet=False).stdout)["services"]
+    assert not any("deploy" in svc for svc in cpu.values())
 
 
 def test_docker_compose_config_with_env_example(tmp_path):
     # .env.example must stay a valid .env: copy both and let compose interpolate.
     shutil.copy(COMPOSE, tmp_path / "docker-compose.yml")
     shutil.copy(REPO / ".env.example", tmp_path / ".env")
-    result = compose_config(tmp_path / "docker-compose.yml")
+    shutil.copy(GPU_OVERRIDE, tmp_path / GPU_OVERRIDE.name)
+    result = compose_config(tmp_path / "docker-compose.yml", tmp_path / GPU_OVERRIDE.name)
     assert result.returncode == 0, result.stderr
 
 
-def test_dclint():
-    result = run_dclint(COMPOSE)
+@pytest.mark.parametrize("path", [COMPOSE, GPU_OVERRIDE, REPO / "tests/deploy/compose.ci.yml"], ids=lambda p: p.name)
+def test_dclint(path):
+    result = run_dclint(path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -69,13 +91,10 @@ def services() -> dict:
 
 def test_topology(services):
     assert set(services) == {"redis", "engine", "worker", "gateway", "prometheus", "grafana"}
-    for gpu_service in ("engine", "worker"):
-        devices = services[gpu_service]["deploy"]["resources"]["reservations"]["devices"]
-        assert devices[0]["capabilities"] == ["gpu"]
-    # Same GPU for both: the worker measures what the engine will see.
-    assert services["engine"]["deploy"] == services["worker"]["deploy"]
-    assert any(v.startswith("profiles:/profiles") for v in services["engine"]["volumes"])
+    # The worker writes profiles; the engine and the gateway (GET /admin/profiles) read them.
     assert "profiles:/profiles" in services["worker"]["volumes"]
+    for reader in ("engine", "gateway"):
+        assert "profiles:/profiles:ro" in services[reader]["volumes"], reader
     for name, svc in services.items():
         assert "healthcheck" in svc, f"service {name} has no healthcheck"
         for dep, cond in (svc.get("depends_on") or {}).items():
@@ -86,9 +105,10 @@ def test_topology(services):
 def test_env_example_documents_every_variable():
     import re
 
-    code = "\n".join(line for line in COMPOSE.read_text().splitlines() if not line.lstrip().startswith("#"))
+    code = "\n".join(line for path in (COMPOSE, GPU_OVERRIDE) for line in path.read_text().splitlines()
+                     if not line.lstrip().startswith("#"))
     used = set(re.findall(r"\$\{([A-Z_]+):-", code))
-    assert {"TANDEM_MODEL", "TANDEM_MODELS_DIR", "TANDEM_GPU"} <= used
+    assert {"TANDEM_MODEL", "TANDEM_MODELS_DIR", "TANDEM_GPU", "TANDEM_DEVICE", "REDIS_IMAGE"} <= used
     documented = {line.split("=", 1)[0] for line in (REPO / ".env.example").read_text().splitlines()
                   if "=" in line and not line.startswith("#")}
     assert used <= documented, f"not in .env.example: {sorted(used - documented)}"

@@ -60,7 +60,8 @@ def test_gateway_image_needs_no_torch():
 
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert not any(dep.startswith(("torch", "triton")) for dep in extras["gateway"])
-    assert 'pip install ".[gateway]"' in (REPO / "docker" / "gateway.Dockerfile").read_text()
+    dockerfile = (REPO / "docker" / "gateway.Dockerfile").read_text()
+    assert "-r /wheelhouse/gateway.txt" in dockerfile and '-e ".[gateway]"' in dockerfile
     code = ("import sys; sys.modules['torch'] = None; sys.modules['triton'] = None\n"
             "import services.gateway.app, services.gateway.metrics")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
@@ -93,3 +94,29 @@ def test_image_commands_parse_with_the_services_own_flags():
     worker = cmds["worker"]
     assert worker[:3] == ["celery", "-A", "services.profiler.app"] and "solo" in worker
     __import__("services.profiler.app")
+
+
+def test_build_context_is_the_code_not_the_venv(tmp_path):
+    """The root .dockerignore, read the way Debian's docker-compose v1 reads it (docker-py's exclude_paths:
+    it ignores per-Dockerfile ignore files and once sent a whole .venv): the context holds what the
+    Dockerfiles COPY and no .venv, .git, caches or build scratch; the CI wheelhouse is let in."""
+    (tmp_path / "probe").mkdir()
+    for junk in (".venv/lib/x.py", ".git/HEAD", ".cache/dclint/x", "build/lib/x.py", "runs/stack/log",
+                 "services/__pycache__/x.pyc", "build/wheelhouse-ci/engine.txt", "wheelhouse/engine.txt"):
+        (tmp_path / "probe" / junk).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "probe" / junk).write_text("x")
+    shutil.copy(REPO / ".dockerignore", tmp_path / "probe" / ".dockerignore")
+    code = ("import sys; from docker.utils.build import exclude_paths\n"
+            "patterns = [l.strip() for l in open('.dockerignore') if l.strip() and not l.startswith('#')]\n"
+            "print('\\n'.join(sorted(exclude_paths('.', patterns))))")
+    python = shutil.which("python3", path="/usr/bin")  # docker-compose v1's own interpreter and docker-py
+    result = subprocess.run([python, "-c", code], cwd=tmp_path / "probe", capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    sent = set(result.stdout.split())
+    assert {"build/wheelhouse-ci/engine.txt", "wheelhouse/engine.txt"} <= sent, sent
+    assert not [p for p in sent if p.startswith((".venv", ".git/", ".cache", "build/lib", "runs", "services/__"))]
+    repo_context = subprocess.run([python, "-c", code], cwd=REPO, capture_output=True, text=True,
+                                  timeout=60).stdout.split()
+    for dockerfile in DOCKERFILES:
+        for source in re.findall(r"^COPY (\S+) ", dockerfile.read_text(), re.M):
+            assert any(p == source or p.startswith(source + "/") for p in repo_context), source
