@@ -4,11 +4,20 @@
     GET  /metrics                Prometheus text
     GET  /engine/v1/info         model id, max_seq_len, tokenizer.json text, tokenizer/generation config, eos ids
     POST /engine/v1/generate     {request_id, prompt_token_ids, sampling{...}} -> NDJSON lines
-                                 {token_ids, finish_reason, prompt_tokens, completion_tokens, cached_tokens[, stop_token_id]}
+                                 {token_ids, finish_reason, prompt_tokens, completion_tokens, cached_tokens
+                                  [, stop_token_id][, logprobs]}
                                  a client that disconnects aborts the request (its KV slot is freed)
     POST /engine/v1/abort        {request_id}
     GET  /engine/v1/stats        JSON (throughput, running/waiting, KV use, expert-cache counters, VRAM)
     POST /engine/v1/reload-profile
+
+``sampling`` is runtime/sampler.py's SamplingParams, field for field (unknown fields are a 400 naming
+them): max_tokens, temperature, top_p, top_k, min_p, seed, ignore_eos, stop_token_ids, presence_penalty,
+frequency_penalty, repetition_penalty, logit_bias {"<token id>": bias}, min_tokens, logprobs (k). With
+``logprobs: k`` each output line carries ``logprobs``, one entry per token of ``token_ids``:
+{"logprob": the model's log-probability of the token, "top": [[token id, logprob], ...] its k best}.
+Fields are only ever added within v1 (a gateway sends a field only when it asks for something, so an
+older engine refuses what it cannot do by name instead of ignoring it).
 
 Errors: {"error": {"message", "type", "param", "code"}} with 400 (invalid), 429 (+ Retry-After, queue
 full), 503 (loading / failed). The engine never speaks the OpenAI protocol: token ids in, token ids out.

@@ -70,6 +70,8 @@ class RequestStream:
         while not out["finish_reason"] and not self._queue.empty():
             nxt = self._queue.get_nowait()
             nxt["token_ids"] = out["token_ids"] + nxt["token_ids"]
+            if "logprobs" in out:
+                nxt["logprobs"] = out["logprobs"] + nxt.get("logprobs", [])
             out = nxt
         self.finished = out["finish_reason"] is not None
         return out
@@ -194,7 +196,7 @@ class Engine:
         device = torch.device(cfg.device.value)
         dtype = getattr(torch, cfg.dtype.value)
         self.runner = ModelRunner(self.loaded, cfg.max_running_requests, cfg.max_seq_len, device, dtype,
-                                  backend_name=cfg.moe_backend.value)
+                                  backend_name=cfg.moe_backend.value, eos_token_ids=self._info["eos_token_ids"])
         self.scheduler = Scheduler(cfg.max_running_requests, cfg.max_waiting_requests, cfg.max_seq_len,
                                    self._info["eos_token_ids"], max_prefill_tokens=cfg.max_prefill_tokens,
                                    prefix_cache=cfg.prefix_cache)
@@ -304,7 +306,7 @@ class Engine:
         prev = [r.last_token_time for r in batch.requests]
         # a request can end before its step does: aborted, or stopped by the step a chained one came after
         ended = [r.finish_reason is not None for r in batch.requests]
-        self.scheduler.postprocess(batch, token_ids)
+        self.scheduler.postprocess(batch, token_ids, self.runner.logprobs_of(done))
         now = time.monotonic()
         generated = sum(t is not None for t in token_ids)
         self._window.append((now, generated))
@@ -379,6 +381,9 @@ class Engine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"prompt_token_ids has ids outside [0, {vocab}): {bad[:5]}")
+        bad = [t for t in params.logit_bias if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"logit_bias has token ids outside [0, {vocab}): {bad[:5]}")
         self.scheduler.check(len(prompt_token_ids), params)
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
 

@@ -35,6 +35,9 @@ class RequestError(Exception):
 class Delta:
     text: str
     finish_reason: str | None = None
+    # the tokens that came with this delta, when the request asked for logprobs:
+    # {"token_id", "logprob", "top": [[id, logprob], ...]} each (the ids of a delta and its text need not align)
+    logprobs: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -45,11 +48,24 @@ class Generation:
     prompt_token_ids: list[int]
     sampling: dict
     stop: list[str]
+    index: int = 0  # the choice's index (n > 1)
     request_id: str = field(default_factory=new_request_id)
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache
     finish_reason: str | None = None
     text: str = ""
+    logprobs: list[dict] | None = None  # every token's entry (as Delta.logprobs) when asked
+
+    def choices(self, n: int) -> list["Generation"]:
+        """This generation and n - 1 more of the same prompt (choices 0..n-1), each its own engine request.
+        With a seed, choice i draws with seed + i: reproducible, and different from its siblings."""
+        out = [self]
+        for i in range(1, n):
+            sampling = dict(self.sampling)
+            if sampling.get("seed") is not None:
+                sampling["seed"] = sampling["seed"] + i
+            out.append(Generation(self.engine, self.prompt_token_ids, sampling, self.stop, index=i))
+        return out
 
     @property
     def prompt_tokens(self) -> int:
@@ -63,6 +79,8 @@ class Generation:
 
 def sampling_from_request(req, engine: EngineState, max_tokens: int | None) -> dict:
     """The engine's sampling object: request values first, then generation_config's defaults."""
+    from services.gateway.sampling import extra_sampling  # it raises this module's RequestError
+
     gen_cfg = (engine.info or {}).get("generation_config") or {}
     temperature = req.temperature if req.temperature is not None else gen_cfg.get("temperature", 1.0)
     if not gen_cfg.get("do_sample", True) and req.temperature is None:
@@ -73,7 +91,7 @@ def sampling_from_request(req, engine: EngineState, max_tokens: int | None) -> d
         max_tokens = int((engine.info or {}).get("max_seq_len", 0))
     return {"max_tokens": max_tokens, "temperature": float(temperature), "top_p": float(top_p),
             "top_k": int(top_k) if top_k else -1, "seed": req.seed, "ignore_eos": bool(req.ignore_eos),
-            "stop_token_ids": []}
+            "stop_token_ids": [], **extra_sampling(req, gen_cfg, engine.tokenizer.vocab_size)}
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
@@ -133,6 +151,13 @@ async def start(pool: EnginePool, gen: Generation):
                       {"Retry-After": "5"})
 
 
+async def close(gen: Generation, stream) -> None:
+    """Close a started generation that is never read (aborts it on the engine)."""
+    gen.engine.outstanding -= 1
+    GatewayMetrics.set_engine_outstanding(gen.engine.client.id, gen.engine.outstanding)
+    await stream.aclose()
+
+
 async def deltas(gen: Generation, stream) -> AsyncIterator[Delta]:
     """Text deltas of a started generation; the last one carries the finish_reason. Closing this
     iterator early (client gone) closes the engine stream, which aborts the request there."""
@@ -142,11 +167,15 @@ async def deltas(gen: Generation, stream) -> AsyncIterator[Delta]:
     try:
         async for out in stream:
             ids = out.get("token_ids", [])
+            logprobs = [{"token_id": t, **e} for t, e in zip(ids, out.get("logprobs", []))]
             gen.completion_tokens = out.get("completion_tokens", gen.completion_tokens + len(ids))
             gen.cached_tokens = out.get("cached_tokens", gen.cached_tokens)
             finish = out.get("finish_reason")
             if finish == "stop" and out.get("stop_token_id") is not None and ids:
                 ids = ids[:-1]  # the EOS/stop token ends the text, it is not part of it
+                logprobs = logprobs[:len(ids)]
+            if gen.sampling.get("logprobs") is not None:
+                gen.logprobs = (gen.logprobs or []) + logprobs
             delta, matched = stops.feed(detok.add_many(ids))
             if not matched and finish is not None:
                 if finish == "abort":
@@ -160,11 +189,11 @@ async def deltas(gen: Generation, stream) -> AsyncIterator[Delta]:
                 gen.text += delta
                 log.debug("request %s on engine %s: %d prompt + %d completion tokens, finish %s", gen.request_id,
                           engine.client.id, gen.prompt_tokens, gen.completion_tokens, finish)
-                yield Delta(delta, finish)
+                yield Delta(delta, finish, logprobs)
                 return
-            if delta:
+            if delta or logprobs:
                 gen.text += delta
-                yield Delta(delta)
+                yield Delta(delta, logprobs=logprobs)
     finally:
         engine.outstanding -= 1
         GatewayMetrics.set_engine_outstanding(engine.client.id, engine.outstanding)

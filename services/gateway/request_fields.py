@@ -38,10 +38,11 @@ _TOOLS_LATER = "tool calling is not served yet"
 
 _SHARED = {
     "model": _honoured("a model name the engines serve (GET /v1/models)"),
-    "frequency_penalty": _refused("frequency_penalty is not served yet", 0, 0.0),
-    "logit_bias": _refused("logit_bias is not served yet", {}),
-    "n": _refused("n > 1 is not served yet; send n separate requests", 1),
-    "presence_penalty": _refused("presence_penalty is not served yet", 0, 0.0),
+    "frequency_penalty": _honoured("minus the penalty times the token's count in the output, on the logits"),
+    "logit_bias": _honoured("token id -> bias in [-100, 100] added to its logit (greedy requests too)"),
+    "n": _honoured("n choices, n engine requests (each prefills the prompt: no shared prefix yet); "
+                   "with a seed, choice i uses seed + i"),
+    "presence_penalty": _honoured("minus the penalty for every token already in the output, on the logits"),
     "seed": _honoured("seeds the request's own generator: the same seed gives the same tokens in any batch"),
     "stop": _honoured("up to 4 strings; the text ends before the first match (finish_reason \"stop\")"),
     "stream": _honoured("Server-Sent Events chunks ending with `data: [DONE]`"),
@@ -51,9 +52,11 @@ _SHARED = {
     "user": _honoured("accepted as information only (OpenAI uses it for abuse monitoring; it changes no output)"),
     # -- Tandem extensions (vLLM's names; clients send them as extra_body) ---------------------------
     "top_k": _honoured("extension: keep the k most likely tokens (-1 or 0: all)"),
-    "min_p": _refused("min_p is not served yet", 0, 0.0),
-    "repetition_penalty": _refused("repetition_penalty is not served yet", 1, 1.0),
-    "min_tokens": _refused("min_tokens is not served yet", 0),
+    "min_p": _honoured("extension: drop tokens below min_p x the best one's probability (after temperature)"),
+    "repetition_penalty": _honoured("extension: logits of prompt and output tokens / the penalty (x when "
+                                    "negative); default from generation_config"),
+    "min_tokens": _honoured("extension: EOS and stop token ids are banned before this many tokens "
+                            "(stop strings still apply)"),
     "ignore_eos": _honoured("extension: keep generating past the end-of-sequence token (benchmarks)"),
 }
 
@@ -63,7 +66,8 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     "audio": _refused("audio output is not supported (text models only)"),
     "function_call": _refused(f"deprecated by OpenAI in favour of tool_choice; {_TOOLS_LATER}", "none"),
     "functions": _refused(f"deprecated by OpenAI in favour of tools; {_TOOLS_LATER}", []),
-    "logprobs": _refused("logprobs are not served yet", False),
+    "logprobs": _honoured("the model's log-probabilities of the sampled tokens (before penalties, biases and "
+                          "temperature)"),
     "max_completion_tokens": _honoured("the completion's token limit (400 when prompt + it exceed the context)"),
     "max_tokens": _honoured("deprecated alias of max_completion_tokens"),
     "metadata": _honoured("accepted as information only (tags a stored completion at OpenAI; nothing is stored)"),
@@ -82,7 +86,7 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     "store": _refused("completions are never stored", False),
     "tool_choice": _refused(_TOOLS_LATER, "none"),
     "tools": _refused(_TOOLS_LATER, []),
-    "top_logprobs": _refused("logprobs are not served yet", 0),
+    "top_logprobs": _honoured("0-20 most likely alternatives per token (needs logprobs: true)"),
     "verbosity": _refused("verbosity is not supported"),
     "web_search_options": _refused("web search is not supported"),
     "chat_template_kwargs": _honoured("extension: extra variables for the chat template (e.g. enable_thinking)"),
@@ -93,7 +97,8 @@ COMPLETION_FIELDS: dict[str, FieldRule] = {
     **_SHARED,
     "best_of": _refused("best_of > 1 is not supported", 1),
     "echo": _refused("echo is not supported", False),
-    "logprobs": _refused("logprobs are not served yet"),
+    "logprobs": _honoured("0-20: the sampled token's logprob and this many alternatives (the model's own "
+                          "distribution)"),
     "max_tokens": _honoured("the completion's token limit, default 16 (400 when prompt + it exceed the context)"),
     "suffix": _refused("suffix (fill-in-the-middle) is not supported", ""),
 }

@@ -1,8 +1,14 @@
 """How a generation is answered, shared by chat and completions: one JSON body, or Server-Sent Events
-(the endpoint's chunks, then an error event or the optional usage chunk, then ``data: [DONE]``)."""
+(the endpoint's chunks, then an error event or the optional usage chunk, then ``data: [DONE]``).
+
+A request for n choices runs n generations (one engine request each, started together: their prompts
+are prefilled separately, there is no shared prefix yet); their stream chunks interleave, each
+carrying its choice's index, and usage counts the prompt once and every choice's completion tokens.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import AsyncIterator, Callable, Iterable
 
@@ -20,16 +26,68 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-async def event_stream(gen: g.Generation, stream, events_of: Callable[[g.Delta], Iterable[str]],
+def usage(gens: list[g.Generation]) -> dict:
+    """The request's usage: the prompt once (OpenAI's and vLLM's count; its cached tokens as choice 0
+    found them), every choice's completion."""
+    out = gens[0].usage()
+    more = sum(x.completion_tokens for x in gens[1:])
+    out["completion_tokens"] += more
+    out["total_tokens"] += more
+    return out
+
+
+async def _choice_events(gen: g.Generation, stream, events_of: Callable[[g.Generation, g.Delta], Iterable[str]]):
+    async for d in g.deltas(gen, stream):
+        for event in events_of(gen, d):
+            yield event
+
+
+async def _merged(iterators: list) -> AsyncIterator[str]:
+    """The events of several choices as they come; closing this closes (aborts) every choice."""
+    if len(iterators) == 1:
+        async for event in iterators[0]:
+            yield event
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(it):
+        try:
+            async for event in it:
+                await queue.put(event)
+            await queue.put(done)
+        except Exception as exc:  # the engine failed: the merged stream reports it
+            await queue.put(exc)
+
+    tasks = [asyncio.create_task(pump(it)) for it in iterators]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for it in iterators:
+            await it.aclose()
+
+
+async def event_stream(gens: list[g.Generation], streams: list,
+                       events_of: Callable[[g.Generation, g.Delta], Iterable[str]],
                        usage_chunk: Callable[[], dict] | None, opening: Iterable[str] = ()) -> AsyncIterator[str]:
-    """SSE text of a started generation: ``opening``, the events of each delta, then (unless the engine
-    failed mid-stream: its error event) the usage chunk if asked, then ``[DONE]``."""
+    """SSE text of started generations: ``opening``, the events of each delta of every choice, then
+    (unless an engine failed mid-stream: its error event) the usage chunk if asked, then ``[DONE]``."""
     for event in opening:
         yield event
     try:
-        async for d in g.deltas(gen, stream):
-            for event in events_of(d):
-                yield event
+        async for event in _merged([_choice_events(x, s, events_of) for x, s in zip(gens, streams)]):
+            yield event
     except EngineError as exc:
         yield sse(exc.body)
         yield sse("[DONE]")
@@ -39,18 +97,38 @@ async def event_stream(gen: g.Generation, stream, events_of: Callable[[g.Delta],
     yield sse("[DONE]")
 
 
-async def respond(pool: EnginePool, gen: g.Generation, req, id_prefix: str,
-                  events: Callable[[object, str, bool], AsyncIterator[str]], body: Callable[[str], BaseModel],
+async def _start_all(pool: EnginePool, gens: list[g.Generation]) -> list:
+    """Start every choice's generation; if one cannot start, the ones started are closed (aborted)."""
+    streams = []
+    try:
+        for gen in gens:
+            streams.append(await g.start(pool, gen))
+    except BaseException:
+        for gen, stream in zip(gens, streams):
+            await g.close(gen, stream)
+        raise
+    return streams
+
+
+async def respond(pool: EnginePool, gens: list[g.Generation], req, id_prefix: str,
+                  events: Callable[[list, str, bool], AsyncIterator[str]], body: Callable[[str], BaseModel],
                   is_disconnected=None) -> Response:
-    """Start ``gen`` on its engine and answer ``req``: SSE from ``events(stream, response_id,
-    include_usage)`` when it asks to stream, else ``body(response_id)`` once the generation ended
-    (499 when the client left before that)."""
-    stream = await g.start(pool, gen)
+    """Start ``gens`` (the request's choices) on their engines and answer ``req``: SSE from
+    ``events(streams, response_id, include_usage)`` when it asks to stream, else ``body(response_id)``
+    once every generation ended (499 when the client left before that)."""
+    streams = await _start_all(pool, gens)
     response_id = new_id(id_prefix)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(events(stream, response_id, include_usage), media_type="text/event-stream",
+        return StreamingResponse(events(streams, response_id, include_usage), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
-    if not await g.complete(gen, stream, is_disconnected):
+    tasks = [asyncio.ensure_future(g.complete(x, s, is_disconnected)) for x, s in zip(gens, streams)]
+    try:
+        finished = await asyncio.gather(*tasks)
+    finally:  # one choice failed: the others are aborted, not left decoding
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if not all(finished):
         return Response(status_code=499)  # client closed the request (nginx's code); nobody reads it
     return JSONResponse(body(response_id).model_dump())

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: template the messages with the engine's chat template, tokenize, generate,
 answer as one JSON or as SSE chunks (first delta carries the role, one id for every chunk, the last
-choice chunk carries finish_reason, an optional usage chunk, then ``data: [DONE]``)."""
+choice chunk carries finish_reason, an optional usage chunk, then ``data: [DONE]``); n choices and
+logprobs as OpenAI gives them (responses.py, logprobs.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from services.gateway.engines import EnginePool
 from services.gateway.request_fields import refuse_unsupported
 from services.gateway.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                        ChatChunkChoice, ChatResponseMessage, DeltaMessage, UsageInfo)
-from services.gateway.responses import event_stream, respond, sse
+from services.gateway.logprobs import chat_logprobs
+from services.gateway.responses import event_stream, respond, sse, usage
 
 
 def _messages(req: ChatCompletionRequest) -> list[dict]:
@@ -44,24 +46,30 @@ def prepare(pool: EnginePool, req: ChatCompletionRequest) -> g.Generation:
 
 
 async def create_chat_completion(pool: EnginePool, req: ChatCompletionRequest, is_disconnected=None):
-    gen = prepare(pool, req)
+    gens = prepare(pool, req).choices(req.n or 1)
+    tokenizer = gens[0].engine.tokenizer
+
+    def logprobs(gen: g.Generation, entries: list[dict] | None) -> dict | None:
+        return chat_logprobs(entries or [], tokenizer) if gen.sampling.get("logprobs") is not None else None
 
     def body(response_id: str) -> ChatCompletionResponse:
-        return ChatCompletionResponse(id=response_id, model=req.model, usage=UsageInfo(**gen.usage()),
-                                      choices=[ChatChoice(message=ChatResponseMessage(content=gen.text),
-                                                          finish_reason=gen.finish_reason)])
+        return ChatCompletionResponse(id=response_id, model=req.model, usage=UsageInfo(**usage(gens)),
+                                      choices=[ChatChoice(index=x.index, message=ChatResponseMessage(content=x.text),
+                                                          logprobs=logprobs(x, x.logprobs),
+                                                          finish_reason=x.finish_reason) for x in gens])
 
-    return await respond(pool, gen, req, "chatcmpl",
-                         lambda stream, response_id, usage: _stream(gen, stream, req.model, response_id, usage),
+    return await respond(pool, gens, req, "chatcmpl",
+                         lambda streams, response_id, include_usage: _stream(
+                             gens, streams, req.model, response_id, include_usage, logprobs),
                          body, is_disconnected)
 
 
-def _stream(gen: g.Generation, stream, model: str, response_id: str, include_usage: bool):
+def _stream(gens: list[g.Generation], streams, model: str, response_id: str, include_usage: bool, logprobs):
     created = int(time.time())
 
-    def chunk(delta: DeltaMessage, finish: str | None = None) -> str:
+    def chunk(index: int, delta: DeltaMessage, finish: str | None = None, lp: dict | None = None) -> str:
         c = ChatCompletionChunk(id=response_id, created=created, model=model,
-                                choices=[ChatChunkChoice(delta=delta, finish_reason=finish)])
+                                choices=[ChatChunkChoice(index=index, delta=delta, logprobs=lp, finish_reason=finish)])
         body = c.model_dump(exclude={"usage"})
         body["choices"] = [{**ch, "delta": {k: v for k, v in ch["delta"].items() if v is not None}}
                            for ch in body["choices"]]
@@ -69,15 +77,15 @@ def _stream(gen: g.Generation, stream, model: str, response_id: str, include_usa
             body["usage"] = None
         return sse(body)
 
-    def events_of(d: g.Delta):
-        if d.text:
-            yield chunk(DeltaMessage(content=d.text))
+    def events_of(gen: g.Generation, d: g.Delta):
+        if d.text or d.logprobs:
+            yield chunk(gen.index, DeltaMessage(content=d.text), lp=logprobs(gen, d.logprobs))
         if d.finish_reason:
-            yield chunk(DeltaMessage(), d.finish_reason)
+            yield chunk(gen.index, DeltaMessage(), d.finish_reason)
 
     def usage_chunk() -> dict:
         return ChatCompletionChunk(id=response_id, created=created, model=model, choices=[],
-                                   usage=UsageInfo(**gen.usage())).model_dump()
+                                   usage=UsageInfo(**usage(gens))).model_dump()
 
-    return event_stream(gen, stream, events_of, usage_chunk if include_usage else None,
-                        opening=[chunk(DeltaMessage(role="assistant", content=""))])
+    return event_stream(gens, streams, events_of, usage_chunk if include_usage else None,
+                        opening=[chunk(x.index, DeltaMessage(role="assistant", content="")) for x in gens])

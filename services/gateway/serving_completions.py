@@ -9,7 +9,8 @@ from services.gateway import generation as g
 from services.gateway.engines import EnginePool
 from services.gateway.request_fields import refuse_unsupported
 from services.gateway.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
-from services.gateway.responses import event_stream, respond, sse
+from services.gateway.logprobs import completion_logprobs
+from services.gateway.responses import event_stream, respond, sse, usage
 
 
 def _prompt_ids(req: CompletionRequest, tokenizer) -> list[int]:
@@ -43,23 +44,35 @@ def prepare(pool: EnginePool, req: CompletionRequest) -> g.Generation:
 
 
 async def create_completion(pool: EnginePool, req: CompletionRequest, is_disconnected=None):
-    gen = prepare(pool, req)
+    gens = prepare(pool, req).choices(req.n or 1)
+    tokenizer = gens[0].engine.tokenizer
+
+    def logprobs(gen: g.Generation, entries: list[dict] | None, offset: int = 0) -> dict | None:
+        if gen.sampling.get("logprobs") is None:
+            return None
+        return completion_logprobs(entries or [], tokenizer, offset)
 
     def body(response_id: str) -> CompletionResponse:
-        return CompletionResponse(id=response_id, model=req.model, usage=UsageInfo(**gen.usage()),
-                                  choices=[CompletionChoice(text=gen.text, finish_reason=gen.finish_reason)])
+        return CompletionResponse(id=response_id, model=req.model, usage=UsageInfo(**usage(gens)),
+                                  choices=[CompletionChoice(index=x.index, text=x.text, logprobs=logprobs(x, x.logprobs),
+                                                            finish_reason=x.finish_reason) for x in gens])
 
-    return await respond(pool, gen, req, "cmpl",
-                         lambda stream, response_id, usage: _stream(gen, stream, req.model, response_id, usage),
+    return await respond(pool, gens, req, "cmpl",
+                         lambda streams, response_id, include_usage: _stream(
+                             gens, streams, req.model, response_id, include_usage, logprobs),
                          body, is_disconnected)
 
 
-def _stream(gen: g.Generation, stream, model: str, response_id: str, include_usage: bool):
+def _stream(gens: list[g.Generation], streams, model: str, response_id: str, include_usage: bool, logprobs):
     created = int(time.time())
+    offsets = {x.index: 0 for x in gens}  # text_offset of each choice's next token
 
-    def events_of(d: g.Delta):
-        if d.text or d.finish_reason:
-            choice = CompletionChoice(text=d.text, finish_reason=d.finish_reason)
+    def events_of(gen: g.Generation, d: g.Delta):
+        if d.text or d.finish_reason or d.logprobs:
+            lp = logprobs(gen, d.logprobs, offsets[gen.index])
+            if lp and lp["tokens"]:
+                offsets[gen.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            choice = CompletionChoice(index=gen.index, text=d.text, logprobs=lp, finish_reason=d.finish_reason)
             body = CompletionResponse(id=response_id, created=created, model=model, choices=[choice]).model_dump()
             if not include_usage:
                 body.pop("usage")
@@ -67,6 +80,6 @@ def _stream(gen: g.Generation, stream, model: str, response_id: str, include_usa
 
     def usage_chunk() -> dict:
         return CompletionResponse(id=response_id, created=created, model=model, choices=[],
-                                  usage=UsageInfo(**gen.usage())).model_dump()
+                                  usage=UsageInfo(**usage(gens))).model_dump()
 
-    return event_stream(gen, stream, events_of, usage_chunk if include_usage else None)
+    return event_stream(gens, streams, events_of, usage_chunk if include_usage else None)

@@ -26,7 +26,8 @@ import torch
 
 from services.common.logging import get_logger
 from services.common.settings import env
-from services.engine.runtime.sampler import Sampler, make_generator
+from services.engine.runtime import penalties
+from services.engine.runtime.sampler import Sampler, make_generator, token_logprobs
 from services.engine.runtime.scheduler import ScheduledBatch
 
 log = get_logger("runner")
@@ -40,10 +41,12 @@ class ModelRunner:
     """One forward + sample per engine step, on the model's device."""
 
     def __init__(self, loaded, num_slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype,
-                 backend_name: str = "resident"):
+                 backend_name: str = "resident", eos_token_ids: list[int] = ()):
+        """``eos_token_ids``: the ids min_tokens bans until a request has generated enough."""
         from services.engine.runtime.kv_cache import KVCache  # model helper's module
 
         self.loaded = loaded
+        self.eos_token_ids = list(eos_token_ids)
         self.model = loaded.model
         self.device = device
         self.sampler = Sampler()
@@ -106,9 +109,18 @@ class ModelRunner:
         for req in reqs:
             if req.generator is None and not req.params.greedy:
                 req.generator = make_generator(req.params.seed, self.device)
+            if req.logit_state is None and req.params.processes_logits:
+                req.logit_state = penalties.LogitState.create(req.prompt_token_ids, req.params, logits.shape[1],
+                                                              self.eos_token_ids, self.device)
         if len(rows) < logits.shape[0]:
             logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]  # [n, V]
-        step.tokens = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])  # [n]
+        params = [r.params for r in reqs]
+        processed = penalties.apply(logits, params, [r.logit_state for r in reqs])  # [n, V]
+        step.tokens = self.sampler.sample(processed, params, [r.generator for r in reqs])  # [n]
+        for j, req in enumerate(reqs):
+            if req.logit_state is not None:
+                req.logit_state.record(step.tokens[j:j + 1])
+        self._launch_logprobs(step, logits, params)
         if self.device.type == "cuda":
             step.host = torch.empty(len(rows), dtype=torch.long, pin_memory=True)
             step.host.copy_(step.tokens, non_blocking=True)
@@ -130,6 +142,29 @@ class ModelRunner:
             torch.cuda.current_stream(self.device).synchronize()
         for i, tok in zip(step.rows, (step.host if step.host is not None else step.tokens).tolist()):
             out[i] = tok
+        return out
+
+    @staticmethod
+    def _launch_logprobs(step: "LaunchedStep", logits: torch.Tensor, params: list) -> None:
+        """Queue the logprobs of the rows that ask for them (logits [n, V] as the model gave them)."""
+        want = [j for j, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            k = max(params[j].logprobs for j in want)
+            idx = torch.tensor(want, dtype=torch.long, device=logits.device)
+            step.logprob_rows = want
+            step.logprobs = token_logprobs(logits[idx], step.tokens[idx], k)
+
+    def logprobs_of(self, step: "LaunchedStep") -> list[dict | None] | None:
+        """After ``collect``: per sequence of the step's batch, the sampled token's logprob and its
+        request's ``logprobs`` best alternatives, {"logprob": x, "top": [[id, logprob], ...]}, or None."""
+        if step.logprobs is None:
+            return None
+        out: list[dict | None] = [None] * len(step.batch.requests)
+        chosen, top, top_ids = (t.tolist() for t in step.logprobs)
+        for n, j in enumerate(step.logprob_rows):
+            i = step.rows[j]
+            k = step.batch.requests[i].params.logprobs
+            out[i] = {"logprob": chosen[n], "top": [[t, lp] for t, lp in zip(top_ids[n][:k], top[n][:k])]}
         return out
 
     def forward_eager(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -155,6 +190,8 @@ class LaunchedStep:
     rows: list[int]  # indices into batch.requests of the rows that sample
     tokens: torch.Tensor | None = None  # [len(rows)] int64 on the device; None when nothing samples
     host: torch.Tensor | None = None  # [len(rows)] pinned (CUDA)
+    logprob_rows: list[int] = field(default_factory=list)  # indices into rows that asked for logprobs
+    logprobs: tuple | None = None  # token_logprobs() of those rows, on the device
     ready: "torch.cuda.Event | None" = None
     launched_at: float = field(default_factory=time.perf_counter)
 

@@ -1,4 +1,5 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, with one seeded generator per request.
+"""Batched sampling: greedy, temperature, top-k, top-p, min-p, with one seeded generator per request
+(the logit processors, penalties and biases, run before it: penalties.py).
 
 Dimension legend: N sequences in the batch · V vocabulary size.
 
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+MAX_LOGPROBS = 20  # the most alternatives per token (OpenAI's top_logprobs limit)
+
 
 @dataclass
 class SamplingParams:
@@ -28,19 +31,29 @@ class SamplingParams:
     seed: int | None = None  # None = a random seed (not reproducible)
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop ids besides the model's EOS
+    # logit processors (services/engine/runtime/penalties.py), applied before temperature, greedy rows too
+    presence_penalty: float = 0.0  # OpenAI's: minus this once for every token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times how often the token was generated
+    repetition_penalty: float = 1.0  # CTRL/transformers': logits of prompt or output tokens / this (> 0: x this)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, [-100, 100]
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
+    min_p: float = 0.0  # drop tokens below min_p x the best token's probability (after temperature)
+    logprobs: int | None = None  # None: none; k >= 0: each sampled token's logprob and the k best
 
     def __post_init__(self) -> None:
         # Types first: a bad value must be refused here (400), not fail a whole batch on the model thread.
-        ints = {"max_tokens": self.max_tokens, "top_k": self.top_k}
-        if self.seed is not None:
-            ints["seed"] = self.seed
+        ints = {"max_tokens": self.max_tokens, "top_k": self.top_k, "min_tokens": self.min_tokens}
+        for name in ("seed", "logprobs"):
+            if getattr(self, name) is not None:
+                ints[name] = getattr(self, name)
         for name, value in ints.items():
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{name} must be an integer, got {value!r}")
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise TypeError(f"{name} must be a number, got {value!r}")
+        self.logit_bias = _token_biases(self.logit_bias)
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         if not isinstance(self.stop_token_ids, list) or not all(
@@ -54,6 +67,23 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or >= 0, got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether penalties, biases or min_tokens change this row's logits (penalties.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -67,6 +97,22 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling field(s): {', '.join(sorted(unknown))}")
         return cls(**{k: v for k, v in data.items() if v is not None})
+
+
+def _token_biases(raw) -> dict[int, float]:
+    """logit_bias as {token id: bias}; JSON object keys arrive as strings of the ids."""
+    if not isinstance(raw, dict):
+        raise TypeError(f"logit_bias must be an object of token id -> bias, got {raw!r}")
+    out = {}
+    for key, bias in raw.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
+            raise ValueError(f"logit_bias[{key}] must be a number in [-100, 100], got {bias!r}")
+        out[token] = float(bias)
+    return out
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
@@ -89,8 +135,8 @@ class Sampler:
         """logits [N, V] fp32 · params/generators one per row -> token ids [N] int64 on the logits' device,
         without waiting for them (the engine feeds them to the next step before reading them).
 
-        Greedy rows take the argmax; the others apply temperature, then top-k, then top-p (both on the
-        tempered distribution, like transformers' warpers) and draw with the row's generator.
+        Greedy rows take the argmax; the others apply temperature, then top-k, then top-p and min-p (on
+        the tempered distribution, like transformers' warpers) and draw with the row's generator.
         """
         assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators), (
             f"sampler: logits {tuple(logits.shape)} vs {len(params)} params / {len(generators)} generators")
@@ -124,7 +170,7 @@ class Sampler:
         dev = logits.device
         ks = [cls._candidates(p, V) for p in params]
         K = max(ks)
-        shared = len({(p.temperature, k, p.top_p) for p, k in zip(params, ks)}) == 1
+        shared = len({(p.temperature, k, p.top_p, p.min_p) for p, k in zip(params, ks)}) == 1
 
         def per_row(values: list, dtype: torch.dtype):  # [n, 1] tensor, or the scalar all rows share
             return values[0] if shared else torch.tensor(values, device=dev, dtype=dtype)[:, None]
@@ -143,6 +189,8 @@ class Sampler:
         mass_before = probs.cumsum(dim=-1) - probs  # [n, K] mass of strictly better tokens
         # keeps at least the best token; top_p == 1 filters nothing (fp32 cumsum can reach 1.0 early)
         drop |= (mass_before >= top_p) & (top_p < 1.0)
+        if any(p.min_p for p in params):  # probs are sorted: column 0 is each row's best token
+            drop |= probs < per_row([p.min_p for p in params], torch.float32) * probs[:, :1]
         return top_logits.masked_fill(drop, float("-inf")).softmax(dim=-1), token_ids
 
     @staticmethod
@@ -150,3 +198,13 @@ class Sampler:
         """An index into probs [K] (exponential race: argmax p/q, q ~ Exp(1); one draw of K numbers)."""
         q = torch.empty_like(probs).exponential_(generator=generator)
         return (probs / q).argmax()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The model's own log-probabilities (log-softmax of the raw logits, before penalties, biases and
+    temperature: vLLM's default): logits [n, V] fp32 · tokens [n] -> (the tokens' logprobs [n], the k
+    best logprobs [n, k] and their ids [n, k]), on the logits' device."""
+    logprobs = logits.float().log_softmax(dim=-1)  # [n, V]
+    chosen = logprobs.gather(1, tokens.view(-1, 1)).view(-1)  # [n]
+    top, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], tokens.view(-1, 1)[:, :0])
+    return chosen, top, top_ids

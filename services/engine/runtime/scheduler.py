@@ -24,7 +24,7 @@ import enum
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -65,6 +65,7 @@ class Request:
     num_cached: int = 0  # of those, the prefix taken from the prefix cache (not computed for this request)
     slot: int | None = None
     generator: torch.Generator | None = None  # created by the runner on the compute device
+    logit_state: Any = None  # penalties.LogitState, created by the runner when the params need one
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
@@ -239,13 +240,15 @@ class Scheduler:
         return ScheduledBatch(list(reqs), 0, [PENDING] * len(reqs), positions, [r.slot for r in reqs],
                               list(positions), [1] * len(reqs))
 
-    def postprocess(self, batch: ScheduledBatch, token_ids: list[int | None]) -> None:
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int | None],
+                    logprobs: list[dict | None] | None = None) -> None:
         """Record the step's prompt chunks, append each sampled token (None: a chunk that did not end its
-        prompt), emit it, and retire finished requests (slot freed at once)."""
+        prompt), emit it (with its logprobs entry when the request asked), and retire finished requests
+        (slot freed at once)."""
         now = time.monotonic()
         for req, n in zip(batch.requests[:batch.num_prefill], batch.query_lens):
             req.num_computed += n
-        for req, tok in zip(batch.requests, token_ids):
+        for i, (req, tok) in enumerate(zip(batch.requests, token_ids)):
             if req.finish_reason is not None or tok is None:  # aborted while the step ran, or mid-prompt
                 continue
             req.output_token_ids.append(tok)
@@ -258,7 +261,10 @@ class Scheduler:
                 req.finish_reason = FinishReason.LENGTH
             if req.finish_reason is not None:  # freed before the client hears of the end, so stats agree
                 self._release(req)
-            req.emit(self._output(req, [tok]))
+            out = self._output(req, [tok])
+            if logprobs is not None and logprobs[i] is not None:
+                out["logprobs"] = [logprobs[i]]
+            req.emit(out)
 
     def abort(self, request_id: str) -> Request | None:
         """Drop a request wherever it is; frees its slot. Returns it, or None if unknown (already done)."""
