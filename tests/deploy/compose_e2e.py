@@ -144,6 +144,10 @@ def summary(stack: Stack) -> None:
 
 def test_every_healthcheck_is_healthy(stack):
     assert stack.health.states() == {name: "healthy" for name in SERVICES}
+    for service in ("engine", "worker", "gateway"):  # built in Docker's format, the images keep theirs
+        healthcheck = stack.podman.run("image", "inspect", "--format", "{{json .HealthCheck}}",
+                                       f"{PROJECT}_{service}")
+        assert "tandem-healthcheck" in healthcheck.stdout, (service, healthcheck.stdout)
 
 
 def test_chat_completion_with_the_openai_client(stack):
