@@ -70,6 +70,13 @@ def write_prometheus_config(dst: Path, ports: dict[str, int], scrape_interval: s
     return dst / "prometheus.yml"
 
 
+def redis_command(port: int, data_dir: Path) -> list[str]:
+    """redis-server as the stack runs it: loopback only, every write in an append-only file in
+    ``data_dir`` (fsynced each second), so queued and finished jobs survive a restart."""
+    return ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
+            "--appendonly", "yes", "--appendfsync", "everysec", "--save", ""]
+
+
 class PortTaken(RuntimeError):
     pass
 
@@ -120,9 +127,10 @@ class Stack:
 
     def command(self, service: str) -> list[str]:
         c, py = self.config, sys.executable
-        if service == "redis":
-            return ["redis-server", "--port", str(c.redis_port), "--bind", "127.0.0.1", "--save", "",
-                    "--appendonly", "no"]
+        if service == "redis":  # one data dir for every run: jobs outlive a stack restart
+            data_dir = Path(c.runs_dir) / "redis"
+            data_dir.mkdir(parents=True, exist_ok=True)
+            return redis_command(c.redis_port, data_dir.resolve())
         if service == "worker":  # --pool solo: job metrics live in the process serving /metrics
             return [py, "-m", "celery", "-A", "services.profiler.app", "worker", "--pool", "solo",
                     "--loglevel", "INFO", "--hostname", f"tandem-local-{c.worker_metrics_port}@%h"]

@@ -2,9 +2,11 @@
 
     free_port()                       a TCP port nobody listens on
     demo_dir (session)                TANDEM_DEMO_DIR for every subprocess (the demo checkpoint, written once)
-    redis_server (session)            a real redis-server on a free port -> its URL
+    redis_server (session)            a real redis-server on a free port, as the stack runs it -> its URL
+    redis_process                     factory: a RedisServer of one test (stop / kill / start again)
     celery_worker (session)           `celery -A services.profiler.app worker` against redis_server
                                       -> (env, profiles dir, queue), the same shape as tests/profiler's
+    worker_process                    factory: a CeleryWorker of one test (kill -9 / start again)
     engine_process / gateway_process  factories: start `tandem engine` / `tandem gateway` (or `tandem serve`)
                                       subprocesses, wait for /health, stop them at teardown
 """
@@ -114,60 +116,153 @@ def serve_process(tmp_path_factory, service_env):
     yield from _processes("serve", tmp_path_factory, service_env)
 
 
+class RedisServer:
+    """redis-server on 127.0.0.1:``port`` started exactly as `tandem stack` starts it (append-only file
+    in ``data_dir``); ``stop``/``kill`` and ``start`` again keep the port and the data."""
+
+    def __init__(self, data_dir: Path, port: int | None = None):
+        from services.local_stack import redis_command
+
+        assert shutil.which("redis-server"), "redis-server is not installed (scripts/setup-system.sh installs it)"
+        self.port = port or free_port_now()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.cmd = redis_command(self.port, data_dir)
+        self.log_path = data_dir / "redis.log"
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.1)
+        self.proc.kill()
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def stop(self) -> None:
+        """SIGTERM: redis's own shutdown (flushes the append-only file)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
-    """A real redis-server on a free port (no persistence) -> ``redis://127.0.0.1:PORT/0``."""
-    exe = shutil.which("redis-server")
-    assert exe, "redis-server is not installed (scripts/setup-system.sh installs it)"
-    port = free_port_now()
-    workdir = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    """A real redis-server on a free port, persistent as the stack runs it -> ``redis://127.0.0.1:PORT/0``."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture
+def redis_process(tmp_path_factory):
+    """Factory: ``redis_process()`` -> a RedisServer of this test alone (to stop, kill, restart)."""
+    started: list[RedisServer] = []
+
+    def start() -> RedisServer:
+        started.append(RedisServer(tmp_path_factory.mktemp("redis")))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.kill()
+
+
+class CeleryWorker:
+    """`celery -A services.profiler.app worker --pool solo` (as compose and the stack run it) in its own
+    process group, with a fixed hostname so a restart is the same worker coming back."""
+
+    def __init__(self, redis_url: str, profiles: Path, queue: str, hostname: str, log_path: Path,
+                 pool: str = "solo"):
+        hostname = hostname.replace("%h", socket.gethostname())
+        self.redis_url, self.profiles, self.queue, self.hostname = redis_url, profiles, queue, hostname
+        self.env = dict(os.environ, TANDEM_REDIS_URL=redis_url, TANDEM_PROFILES_DIR=str(profiles),
+                        TANDEM_PROFILER_QUEUE=queue, TANDEM_WORKER_METRICS_PORT="0", PYTHONPATH=str(ROOT),
+                        PYTHONUNBUFFERED="1")
+        self.cmd = [sys.executable, "-m", "celery", "-A", "services.profiler.app", "worker", "--loglevel", "INFO",
+                    "--pool", pool, "--concurrency", "1", "--without-gossip", "--without-mingle",
+                    "--without-heartbeat", "-n", hostname]
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 60) -> "CeleryWorker":
+        from celery import Celery
+
+        log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        log.close()
+        probe = Celery(broker=self.redis_url, backend=self.redis_url)
+        deadline = time.monotonic() + timeout_s
+        while not self._pong(probe):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"celery worker exited with {self.proc.returncode}:\n{self.log_tail()}")
+            assert time.monotonic() < deadline, f"celery worker did not answer ping in {timeout_s} s:\n{self.log_tail()}"
+        return self
+
+    def _pong(self, probe) -> bool:
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    break
-        except OSError:
-            time.sleep(0.1)
-    else:
-        proc.kill()
-        raise RuntimeError(f"redis-server did not start on port {port}")
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(10)
+            return bool(probe.control.ping(destination=[self.hostname], timeout=0.5))
+        except Exception:  # noqa: BLE001 — a pooled connection to a redis restarted meanwhile: ask again
+            time.sleep(0.2)
+            return False
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def kill(self) -> None:
+        """SIGKILL the worker and the benchmark it runs (the whole group: a container killed)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+@pytest.fixture
+def worker_process(tmp_path_factory):
+    """Factory: ``worker_process(redis_url, profiles_dir)`` -> a started CeleryWorker on a queue and
+    hostname of its own; stopped at teardown."""
+    started: list[CeleryWorker] = []
+
+    def start(redis_url: str, profiles: Path, pool: str = "solo") -> CeleryWorker:
+        n = len(started)
+        worker = CeleryWorker(redis_url, profiles, f"tandem.test-{os.getpid()}-{n}", f"test-{os.getpid()}-{n}@%h",
+                              tmp_path_factory.mktemp("worker") / "worker.log", pool)
+        started.append(worker.start())
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()
 
 
 @pytest.fixture(scope="session")
 def celery_worker(redis_server, tmp_path_factory):
     """A real `celery -A services.profiler.app worker` subprocess on ``redis_server``.
     Yields (env the worker runs with, its profiles dir, its host queue name)."""
-    from celery import Celery
-
     profiles = tmp_path_factory.mktemp("profiles")
-    queue = f"tandem.test-{os.getpid()}"
-    env = dict(os.environ, TANDEM_REDIS_URL=redis_server, TANDEM_PROFILES_DIR=str(profiles),
-               TANDEM_PROFILER_QUEUE=queue, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    log_path = tmp_path_factory.mktemp("worker") / "worker.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "services.profiler.app", "worker",
-                             "--loglevel", "INFO", "--pool", "prefork", "--concurrency", "1",
-                             "--without-gossip", "--without-mingle", "--without-heartbeat",
-                             "-n", f"test-{os.getpid()}@%h"],
-                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    probe = Celery(broker=redis_server, backend=redis_server)
-    deadline = time.monotonic() + 60
-    while not probe.control.ping(timeout=0.5):
-        if proc.poll() is not None:
-            raise RuntimeError(f"celery worker exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        assert time.monotonic() < deadline, f"celery worker did not answer ping in 60 s; log: {log_path}"
-    yield env, profiles, queue
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-    log.close()
+    worker = CeleryWorker(redis_server, profiles, f"tandem.test-{os.getpid()}", f"test-{os.getpid()}@%h",
+                          tmp_path_factory.mktemp("worker") / "worker.log", pool="prefork")
+    worker.start()
+    yield worker.env, profiles, worker.queue
+    worker.stop()

@@ -1,15 +1,19 @@
 """The admin API (/admin, admin token): profile jobs on the Celery worker, profiles, engine reloads.
 
-    POST /admin/profiles                      start a `tandem.bench_bw` job -> {"id", "state"}
-                                              body (all optional): {"kind": "bw"|"load", "argv": [CLI flags of
-                                              `tandem bench bw|load`], "queue": a host queue}
-    GET  /admin/jobs/{id}                     {"id", "state", "progress", "result", "error"}
+    POST /admin/profiles                      start a profiling job -> 202 {"id", "task", "queue", "state"}
+                                              body: {"kind": "bw"|"load", "queue": a host queue, and the
+                                              typed fields of services/common/jobs.py (no CLI flags, no paths
+                                              to write: outputs stay in the worker's profiles dir)}
+    GET  /admin/jobs/{id}                     {"id", "state", "progress", "result", "error", "attempts", ...};
+                                              404 for an id that was never submitted (or has expired)
     GET  /admin/profiles                      the profiles in the shared volume
     GET  /admin/engines                       the engines behind this gateway and their health
     POST /admin/engines/{id}/reload-profile   the engine re-reads its profile (no restart)
 
 Tasks are sent by name (``send_task``) through a minimal Celery client, so the gateway needs neither
-torch nor the profiler's code; the worker (services/profiler/app.py) owns the task definitions.
+torch nor the profiler's code; the worker (services/profiler/app.py) owns the task definitions. Each
+job is recorded in Redis before it is sent (services/common/jobs.py): its state combines that record
+(submitted, running, progress, attempts) with Celery's end state.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from pydantic import TypeAdapter, ValidationError
+
+from services.common.jobs import SHARED_QUEUE, TASKS, JobRequest, JobStore, send_job
 from services.common.logging import get_logger
 from services.gateway.auth import admin_guard
 from services.gateway.engines import EngineError, EnginePool
@@ -28,10 +35,8 @@ from services.gateway.protocol import error_body
 
 log = get_logger("gateway.admin")
 
-BENCH_BW_TASK = "tandem.bench_bw"
-BENCH_LOAD_TASK = "tandem.bench_load"
-JOB_KINDS = {"bw": BENCH_BW_TASK, "load": BENCH_LOAD_TASK}
-SHARED_QUEUE = "tandem.profiler"  # services/profiler/app.py: every worker consumes it (any GPU host)
+_REQUEST = TypeAdapter(JobRequest)
+job_store = lru_cache(maxsize=4)(JobStore)  # one connection pool per Redis URL
 
 
 @lru_cache(maxsize=4)
@@ -46,19 +51,40 @@ def celery_client(redis_url: str):
     return app
 
 
-def job_view(result) -> dict:
-    """One job as JSON: Celery states PENDING/STARTED/PROGRESS/SUCCESS/FAILURE (+ meta)."""
-    state = result.state
-    info = result.info
-    out: dict[str, Any] = {"id": result.id, "state": state, "progress": None, "result": None, "error": None}
+def job_view(job_id: str, record: dict, result) -> dict:
+    """One job as JSON: PENDING (queued), STARTED / PROGRESS (running, from the record), SUCCESS /
+    FAILURE (Celery's end state)."""
+    state, info = result.state, result.info
+    out: dict[str, Any] = {"id": job_id, "task": TASKS.get(record.get("kind"), record.get("kind")),
+                           "queue": record.get("queue"), "request": record.get("request"), "state": state,
+                           "progress": None, "result": None, "error": None, "attempts": record["attempts"],
+                           "worker": record.get("worker")}
     if state == "SUCCESS":
         out["result"] = info
         out["progress"] = {"fraction": 1.0}
     elif state == "FAILURE":
         out["error"] = f"{type(info).__name__}: {info}" if isinstance(info, BaseException) else str(info)
-    elif isinstance(info, dict):  # PROGRESS / STARTED meta from the task's update_state
-        out["progress"] = info
+    elif record["attempts"] > 0:  # a worker has started it
+        out["state"] = "PROGRESS" if record.get("progress") else "STARTED"
+        out["progress"] = record.get("progress")
     return out
+
+
+def parse_job_request(body: dict):
+    """The typed job request of a POST /admin/profiles body (its ``queue`` taken out); raises
+    ValueError(message, param)."""
+    if "argv" in body:
+        raise ValueError("argv is no longer accepted: CLI flags could make the worker write anywhere. Send the "
+                         "typed fields instead (docs/operating.md), e.g. {\"kind\": \"bw\", \"seconds\": 2}", "argv")
+    fields = {"kind": "bw", **{k: v for k, v in body.items() if k != "queue"}}
+    if fields["kind"] not in TASKS:
+        raise ValueError(f"kind must be one of {sorted(TASKS)}, got {fields['kind']!r}", "kind")
+    try:
+        return _REQUEST.validate_python(fields)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = [str(p) for p in err["loc"] if p not in ("bw", "load")]
+        raise ValueError(f"{'.'.join(loc) or 'body'}: {err['msg']}", loc[0] if loc else None) from None
 
 
 def profile_view(entry) -> dict:
@@ -76,29 +102,35 @@ def create_router(pool: EnginePool, admin_token: str, redis_url: str, profiles_d
     @router.post("/profiles")
     async def start_profile(request: Request):
         body = await _optional_json(request)
-        kind, argv, queue = body.get("kind", "bw"), body.get("argv", []), body.get("queue") or SHARED_QUEUE
-        if kind not in JOB_KINDS:
-            return _error(400, f"kind must be one of {sorted(JOB_KINDS)}, got {kind!r}", "kind")
-        if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
-            return _error(400, "argv must be a list of CLI flags (strings) of `tandem bench bw|load`", "argv")
-        if not isinstance(queue, str):
-            return _error(400, "queue must be a string", "queue")
+        queue = body.get("queue") or SHARED_QUEUE
+        if not isinstance(queue, str) or len(queue) > 200:
+            return _error(400, "queue must be a string (a worker's host queue)", "queue")
         try:
-            result = await asyncio.to_thread(celery_client(redis_url).send_task, JOB_KINDS[kind], args=[argv],
-                                             queue=queue)
+            job = parse_job_request(body)
+        except ValueError as exc:
+            return _error(400, exc.args[0], exc.args[1])
+        try:
+            job_id = await asyncio.to_thread(send_job, celery_client(redis_url), job_store(redis_url), job, queue)
         except Exception as exc:  # broker down: say which URL
-            log.warning("cannot queue %s on %s: %s", JOB_KINDS[kind], redis_url, exc)
+            log.warning("cannot queue %s on %s: %s", TASKS[job.kind], redis_url, exc)
             return _error(503, f"cannot reach the job queue at {redis_url}: {exc}", type_="service_unavailable")
-        log.info("queued %s job %s", JOB_KINDS[kind], result.id)
-        return JSONResponse({"id": result.id, "task": JOB_KINDS[kind], "queue": queue, "state": "PENDING"}, 202)
+        log.info("queued %s job %s", TASKS[job.kind], job_id)
+        return JSONResponse({"id": job_id, "task": TASKS[job.kind], "queue": queue, "state": "PENDING"}, 202)
 
     @router.get("/jobs/{job_id}")
     async def get_job(job_id: str):
+        def read():
+            record = job_store(redis_url).get(job_id)
+            return None if record is None else job_view(job_id, record, celery_client(redis_url).AsyncResult(job_id))
+
         try:
-            result = celery_client(redis_url).AsyncResult(job_id)
-            return await asyncio.to_thread(job_view, result)
+            view = await asyncio.to_thread(read)
         except Exception as exc:
             return _error(503, f"cannot reach the result backend at {redis_url}: {exc}", type_="service_unavailable")
+        if view is None:
+            return _error(404, f"no job {job_id!r}: never submitted, or expired (jobs are kept 7 days)", "job_id",
+                          type_="not_found_error")
+        return view
 
     @router.get("/profiles")
     async def get_profiles():

@@ -1,8 +1,13 @@
 """The profiler worker's Celery app (torch-free to import): `celery -A services.profiler.app worker`.
 
 Broker and result backend: env TANDEM_REDIS_URL. One benchmark at a time per GPU host (two at once
-would disturb each other's bandwidth numbers): concurrency 1, prefetch 1, acks late (a job is
-acknowledged when it ends, so a worker that dies mid-job does not silently lose it).
+would disturb each other's bandwidth numbers): concurrency 1, prefetch 1.
+
+Delivery (docs/operating.md): a job's message is acknowledged when the job ends (acks late), so a
+worker that dies mid-job does not lose it. When that worker starts again it puts the jobs it was
+running back at the head of their queue (``recovery.requeue_interrupted``); a job whose worker died
+``MAX_ATTEMPTS`` times fails instead of running again; a job no worker comes back for is redelivered
+by kombu after the visibility timeout (longer than any job may run, so a running job is never sent twice).
 
 Queues: each worker consumes its host's queue (env TANDEM_PROFILER_QUEUE, default
 ``tandem.profiler.<hostname>``) and the shared ``tandem.profiler`` queue. Send to a host queue to
@@ -16,9 +21,14 @@ import socket
 from celery import Celery, signals
 from kombu import Queue
 
+from services.common.jobs import JOB_TTL_S, SHARED_QUEUE, JobStore, send_job
 from services.common.settings import env
 
-SHARED_QUEUE = "tandem.profiler"
+BW_LIMIT_S = 1800  # bench bw: a few minutes on a GPU host; the hard limit only guards a hang
+LOAD_LIMIT_S = 3600  # bench load: reads a whole checkpoint three times, cold
+# Longer than any job may run (its hard limit + 60 s): kombu redelivers an unacknowledged message
+# only after this, so a job still running is never handed to a second worker.
+VISIBILITY_TIMEOUT_S = LOAD_LIMIT_S + 600
 
 
 def host_queue() -> str:
@@ -39,9 +49,19 @@ app.conf.update(
     worker_pool="solo",
     worker_prefetch_multiplier=1,
     task_acks_late=True,
-    task_track_started=True,  # STARTED between PENDING and PROGRESS: the admin API shows "running"
-    result_extended=True,  # keep task name and args with the result (the admin API lists jobs)
-    result_expires=7 * 24 * 3600,
+    task_reject_on_worker_lost=True,  # prefork: a killed child's job goes back to the queue, not FAILURE
+    broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S},
+    # Running / progress live in the job record (services/common/jobs.py); Celery's result holds the
+    # end state only, so a redelivered duplicate of a finished job can see that and do nothing.
+    task_track_started=False,
+    result_extended=True,  # keep task name and args with the result
+    result_expires=JOB_TTL_S,
+    # A finished benchmark's result is stored even across a short Redis outage (~5 min of retries).
+    result_backend_always_retry=True,
+    result_backend_max_retries=30,
+    # Losing the broker must not kill a running benchmark: it finishes and its result is stored when
+    # Redis is back.
+    worker_cancel_long_running_tasks_on_connection_loss=False,
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
 )
@@ -56,7 +76,14 @@ def _start_metrics(**_) -> None:
     start_worker_metrics_server()
 
 
-def submit(task: str, argv: list[str], queue: str | None = None):
-    """Send ``tandem.bench_bw`` / ``tandem.bench_load`` with CLI flags ``argv`` to ``queue`` (default:
-    the shared queue). Returns the AsyncResult. For clients (gateway admin API, tests)."""
-    return app.send_task(task, args=[list(argv)], queue=queue or SHARED_QUEUE)
+@signals.worker_ready.connect
+def _requeue_interrupted(sender, **_) -> None:
+    from services.profiler.recovery import requeue_interrupted
+
+    requeue_interrupted(app, sender.hostname)
+
+
+def submit(request, queue: str | None = None) -> str:
+    """Record and send a job (a ``services.common.jobs`` request) to ``queue`` (default: the shared
+    queue); returns the job id. For clients without the gateway (scripts)."""
+    return send_job(app, JobStore(env("TANDEM_REDIS_URL")), request, queue or SHARED_QUEUE)

@@ -102,6 +102,13 @@ def test_topology(services):
     assert services["gateway"]["environment"]["TANDEM_ENGINES"] == "http://engine:8001"
 
 
+def test_redis_keeps_jobs_across_restarts(services):
+    """The job queue and results persist: append-only file, on a named volume (docs/operating.md)."""
+    command = services["redis"]["command"]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert "redis-data:/data" in services["redis"]["volumes"]
+
+
 def test_env_example_documents_every_variable():
     import re
 

@@ -10,7 +10,7 @@ import pytest
 
 ADMIN = "admin-secret"
 API_KEY = "sk-user"
-FAST = ["--model", "tiny", "--seconds", "0.05", "--buffer-mib", "4"]  # a seconds-long bench bw
+FAST = {"model": "tiny", "seconds": 0.05, "buffer_mib": 4}  # a seconds-long bench bw
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +43,12 @@ def _wait_job(gateway, job_id: str, timeout_s: float = 240) -> tuple[dict, set[s
 
 def test_profile_job_runs_on_the_worker_and_the_profile_is_listed(admin_stack):
     gateway, profiles, queue = admin_stack
-    r = _admin(gateway, "POST", "/admin/profiles", json={"kind": "bw", "argv": FAST, "queue": queue})
+    r = _admin(gateway, "POST", "/admin/profiles", json={"kind": "bw", **FAST, "queue": queue})
     assert r.status_code == 202, r.text
     job, states = _wait_job(gateway, r.json()["id"])
     assert job["state"] == "SUCCESS", job
     assert states <= {"PENDING", "STARTED", "PROGRESS", "SUCCESS"}
+    assert job["attempts"] == 1 and job["request"]["seconds"] == 0.05
     path = job["result"]["profile_path"]
     assert path.startswith(str(profiles))
     listed = _admin(gateway, "GET", "/admin/profiles").json()["data"]
@@ -57,9 +58,35 @@ def test_profile_job_runs_on_the_worker_and_the_profile_is_listed(admin_stack):
 
 def test_failing_job_reports_its_error(admin_stack):
     gateway, _, queue = admin_stack
-    r = _admin(gateway, "POST", "/admin/profiles", json={"argv": [*FAST, "--dtype", "int3"], "queue": queue})
+    r = _admin(gateway, "POST", "/admin/profiles", json={**FAST, "model": "no-such-preset", "queue": queue})
     job, _ = _wait_job(gateway, r.json()["id"])
-    assert job["state"] == "FAILURE" and "int3" in job["error"] and job["result"] is None
+    assert job["state"] == "FAILURE" and "no-such-preset" in job["error"] and job["result"] is None
+
+
+def test_unknown_job_is_404(admin_stack):
+    gateway, _, _ = admin_stack
+    r = _admin(gateway, "GET", "/admin/jobs/3f2a7c1e-0000-4000-8000-000000000000")
+    assert r.status_code == 404 and r.json()["error"]["param"] == "job_id"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"argv": ["-o", "/etc/passwd"]}, "argv"),  # raw CLI flags: could write anywhere
+    ({"kind": "bw", "output": "/tmp/x.json"}, "output"),
+    ({"kind": "bw", "profiles_dir": "/tmp"}, "profiles_dir"),
+    ({"kind": "load", "model": "/models/m", "json": "/tmp/x.json"}, "json"),
+    ({"kind": "load", "model": "/models/m", "bank_dir": "/tmp"}, "bank_dir"),
+    ({"kind": "load", "model": "relative/dir"}, "model"),
+    ({"kind": "bw", "model": "--output=/tmp/x"}, "model"),
+    ({"kind": "bw", "seconds": 0}, "seconds"),
+    ({"kind": "bw", "dtype": ["int3"]}, "dtype"),
+])
+def test_job_requests_are_typed_and_write_nowhere_else(admin_stack, body, param):
+    """Admin jobs take typed fields only; no field names an output path (outputs stay in the
+    worker's profiles dir), and nothing is queued for a refused body."""
+    gateway, _, _ = admin_stack
+    r = _admin(gateway, "POST", "/admin/profiles", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
 
 
 def test_admin_auth_and_validation(admin_stack):

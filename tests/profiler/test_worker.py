@@ -1,5 +1,5 @@
 """The profiler worker end to end: a real redis-server, a real `celery -A services.profiler.app worker`
-process, tasks submitted through the broker; the profile lands in the worker's profiles dir."""
+process, typed job requests submitted through the broker; the profile lands in the worker's profiles dir."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import time
 import pytest
 
 from services.common import profiles as P
-from services.profiler.app import SHARED_QUEUE
+from services.common.jobs import SHARED_QUEUE, BenchBwRequest, BenchLoadRequest, JobStore, send_job
 
-FAST = ["--model", "tiny", "--seconds", "0.05", "--buffer-mib", "4", "--cpu-kernel", "torch"]
+FAST = BenchBwRequest(model="tiny", seconds=0.05, buffer_mib=4, cpu_kernel="torch")
 
 
 @pytest.fixture
@@ -23,7 +23,8 @@ def client(celery_worker):
     env, profiles, queue = celery_worker
     app = Celery(broker=env["TANDEM_REDIS_URL"], backend=env["TANDEM_REDIS_URL"])
     app.conf.update(task_serializer="json", result_serializer="json", accept_content=["json"])
-    return app, profiles, queue
+    store = JobStore(env["TANDEM_REDIS_URL"])
+    return lambda request, queue: app.AsyncResult(send_job(app, store, request, queue)), app, profiles, queue
 
 
 def _wait(result, timeout: float = 240):
@@ -36,8 +37,8 @@ def _wait(result, timeout: float = 240):
 
 
 def test_bench_bw_task_writes_the_profile(client):
-    app, profiles, queue = client
-    r = app.send_task("tandem.bench_bw", args=[FAST], queue=queue)  # this host's queue
+    send, _, profiles, queue = client
+    r = send(FAST, queue)  # this host's queue
     states = _wait(r)
     assert r.state == "SUCCESS", r.result
     out = r.result
@@ -50,40 +51,47 @@ def test_bench_bw_task_writes_the_profile(client):
     assert [e.path for e in P.list_profiles(profiles) if e.profile is not None] == [path]
 
 
-def test_failing_task_reports_its_message_and_leaves_no_file(client, tmp_path):
-    app, _, queue = client
-    target = tmp_path / "profiles"
-    r = app.send_task("tandem.bench_bw", args=[[*FAST, "--profiles-dir", str(target), "--dtype", "int3"]],
-                      queue=queue)
+def test_failing_task_reports_its_message_and_leaves_no_file(client):
+    send, _, profiles, queue = client
+    before = sorted(os.listdir(profiles))
+    r = send(FAST.model_copy(update={"model": "no-such-preset"}), queue)
     _wait(r)
     assert r.state == "FAILURE"
     assert isinstance(r.result, Exception)
     message = str(r.result)
-    assert "exited 2" in message and "--dtype" in message and "int3" in message
-    assert not target.exists() or os.listdir(target) == []
+    assert "exited 2" in message and "no-such-preset" in message
+    assert sorted(os.listdir(profiles)) == before
 
 
-def test_non_list_argument_fails_cleanly(client):
-    app, _, queue = client
-    r = app.send_task("tandem.bench_bw", args=["--model tiny"], queue=queue)
+@pytest.mark.parametrize("args, kwargs", [
+    ([["-o", "/tmp/overwritten.json"]], {}),  # the old raw argv
+    ([], {"request": {"output": "/tmp/overwritten.json"}}),
+    ([], {"request": {"model": "-otiny"}}),
+])
+def test_raw_flags_and_unknown_fields_are_refused_by_the_worker(client, args, kwargs):
+    """The queue is an input too: a message that is not a valid typed request fails, nothing runs."""
+    _, app, _, queue = client
+    r = app.send_task("tandem.bench_bw", args=args, kwargs=kwargs, queue=queue)
     _wait(r)
-    assert r.state == "FAILURE" and "list of CLI flags" in str(r.result)
+    assert r.state == "FAILURE" and "BenchFailed" in type(r.result).__name__ + repr(r.result)
+    assert not os.path.exists("/tmp/overwritten.json")
 
 
 def test_worker_survives_and_serves_the_shared_queue(client):
-    app, profiles, _ = client
-    r = app.send_task("tandem.bench_bw", args=[[*FAST, "--dtype", "float32"]], queue=SHARED_QUEUE)
+    send, _, _, _ = client
+    r = send(FAST.model_copy(update={"dtype": ["float32"]}), SHARED_QUEUE)
     _wait(r, timeout=120)
     assert r.state == "SUCCESS", r.result
     assert "float32" in r.result["summary"]["kernels"]
 
 
-def test_bench_load_task(client, moe_checkpoint, tmp_path):
-    app, _, queue = client
-    r = app.send_task("tandem.bench_load", args=[["--model", str(moe_checkpoint), "--modes", "parallel",
-                                                   "--bank-dir", str(tmp_path / "banks")]], queue=queue)
+def test_bench_load_task(client, moe_checkpoint):
+    send, _, profiles, queue = client
+    r = send(BenchLoadRequest(model=str(moe_checkpoint), modes=["parallel", "repacked"]), queue)
     _wait(r)
     assert r.state == "SUCCESS", r.result
     assert r.result["ok"] is True
-    assert [row["mode"] for row in r.result["rows"]] == ["serial", "parallel"]
+    assert [row["mode"] for row in r.result["rows"]] == ["serial", "parallel", "convert (one-time)", "repacked"]
     assert all(row["status"] == "ok" for row in r.result["rows"])
+    assert f"--bank-dir={profiles}/banks/ckpt" in r.result["command"]  # inside the profiles dir
+    assert not (profiles / "banks" / "ckpt").exists()  # and removed after the run (no keep_bank)
