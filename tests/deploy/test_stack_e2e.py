@@ -28,7 +28,7 @@ ADMIN_TOKEN = "e2e-admin-token"
 ENGINE_ARGS = ["--moe-backend", "hybrid", "--moe-cache-rate", "0.5", "--max-running-requests", "4",
                "--moe-prefetch", "1", "--moe-cpu-warm", "2"]
 # A quick CPU-only profile: the worker runs `tandem bench bw` with these flags.
-PROFILE_ARGS = ["--seconds", "0.2", "--buffer-mib", "32"]
+PROFILE_REQUEST = {"kind": "bw", "seconds": 0.2, "buffer_mib": 32}
 RATE_INTERVAL = "10m"  # covers the whole test, so each rate() spans all of its traffic
 
 
@@ -105,7 +105,7 @@ def profile_job(stack):
     """One bandwidth profile job through the admin API, run by the worker; its final job view."""
     base = f"http://127.0.0.1:{stack.config.port}"
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    resp = httpx.post(f"{base}/admin/profiles", json={"argv": PROFILE_ARGS}, headers=admin, timeout=30)
+    resp = httpx.post(f"{base}/admin/profiles", json=PROFILE_REQUEST, headers=admin, timeout=30)
     assert resp.status_code == 202, resp.text
     job_id = resp.json()["id"]
     start_by, end_by = time.monotonic() + 90, time.monotonic() + 600
