@@ -12,7 +12,7 @@ import json
 import shlex
 
 from services.common.logging import get_logger, setup_logging
-from services.common.settings import add_dataclass_arguments, config_or_exit
+from services.common.settings import add_dataclass_arguments, config_or_exit, env
 from services.engine.config import EngineConfig
 from services.gateway.app import GatewayConfig, create_app
 
@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     gateway_cfg = config_or_exit("tandem serve", GatewayConfig, args, engines="in-process")
     from fastapi import Depends
 
-    from services.engine.api import create_router, run_until_stopped
+    from services.engine.api import create_control_router, create_router, run_until_stopped
+    from services.engine.guard import ENGINE_TOKEN_ENV, engine_token_guard
     from services.engine.engine import Engine
     from services.engine.preflight import check_model_or_exit
     from services.gateway.engines import InProcessEngineClient
@@ -62,9 +63,12 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = Engine(engine_cfg, on_ready=ready)
     app = create_app(gateway_cfg, [InProcessEngineClient(engine)], before_metrics=engine.refresh_metrics)
-    # The engine's own API (/engine/v1/info, /stats, ...) on the same port, behind the same API keys:
-    # benchmarks and operators read engine stats from a single-process server too.
+    # The engine's read-only API (/engine/v1/info, /stats) on the same port, behind the same API keys:
+    # benchmarks and operators read engine stats from a single-process server too. Its control routes
+    # (generate, abort, reload-profile) are no client's business: only with the engine token, if any.
     app.include_router(create_router(engine, dependencies=[Depends(app.state.api_key_guard)]))
+    if engine_token := env(ENGINE_TOKEN_ENV):
+        app.include_router(create_control_router(engine, dependencies=[Depends(engine_token_guard(engine_token))]))
     log.info("gateway on http://%s:%d; loading %s in the background (GET /health for progress)",
              gateway_cfg.host, gateway_cfg.port, engine_cfg.model)
     return run_until_stopped("tandem serve", app, engine, gateway_cfg.host, gateway_cfg.port)

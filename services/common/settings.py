@@ -40,6 +40,7 @@ ENV: dict[str, EnvVar] = {
         EnvVar("TANDEM_PROFILES_DIR", "", "bandwidth profiles (shared volume); empty = $XDG_CACHE_HOME/tandem/profiles"),
         EnvVar("TANDEM_API_KEYS", "", "comma-separated Bearer keys accepted on /v1; empty = no auth"),
         EnvVar("TANDEM_ADMIN_TOKEN", "", "Bearer token for /admin; empty = admin API disabled"),
+        EnvVar("TANDEM_ENGINE_TOKEN", "", "Bearer token of the engine's internal API (/engine/v1), sent by the gateway; empty = no token (keep the engine on loopback)"),
         EnvVar("TANDEM_ENGINES", "http://127.0.0.1:8001", "comma-separated engine URLs behind the gateway"),
         EnvVar("TANDEM_LOG_LEVEL", "INFO", "log level of every service"),
         EnvVar("TANDEM_COPY_MODE", "fused", "copy_missing implementation: 'fused' (one launch) or 'per-bank' (A/B)"),

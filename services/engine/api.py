@@ -19,8 +19,15 @@ frequency_penalty, repetition_penalty, logit_bias {"<token id>": bias}, min_toke
 Fields are only ever added within v1 (a gateway sends a field only when it asks for something, so an
 older engine refuses what it cannot do by name instead of ignoring it).
 
-Errors: {"error": {"message", "type", "param", "code"}} with 400 (invalid), 429 (+ Retry-After, queue
-full), 503 (loading / failed). The engine never speaks the OpenAI protocol: token ids in, token ids out.
+Errors: {"error": {"message", "type", "param", "code"}} with 400 (invalid), 401 (engine token),
+413 (body over the limit), 429 (+ Retry-After, queue full), 503 (loading / failed). The engine never
+speaks the OpenAI protocol: token ids in, token ids out.
+
+Access (services/engine/guard.py): with TANDEM_ENGINE_TOKEN set, every /engine/v1 route needs
+``Authorization: Bearer <token>`` (the gateway sends it); without one, listen on loopback only
+(`tandem engine` warns otherwise). Under `tandem serve` the read-only routes (info, stats) sit behind
+the API keys and the control routes (generate, abort, reload-profile) behind the engine token, or are
+not served at all without one.
 """
 
 from __future__ import annotations
@@ -31,14 +38,17 @@ import sys
 import uuid
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.logging import get_logger, setup_logging
-from services.common.settings import add_dataclass_arguments, config_or_exit
+from services.common.settings import add_dataclass_arguments, config_or_exit, env
 from services.engine.config import EngineConfig
 from services.engine.engine import (Engine, EngineNotReadyError, InvalidRequestError, Maintenance, QueueFullError,
                                     RequestStream)
+from services.engine.guard import (ENGINE_TOKEN_ENV, BodyLimit, BodyTooLarge, body_limit_for, engine_token_guard,
+                                   exposed_without_token, too_large)
 from services.engine.reports import API_VERSION
 from services.engine.runtime.sampler import SamplingParams
 
@@ -65,10 +75,22 @@ def error_response(exc: Exception):
     raise exc
 
 
-def create_app(engine: Engine) -> FastAPI:
-    """The engine service's app over a started (or starting) engine: /health, /metrics, /engine/v1."""
+def create_app(engine: Engine, token: str = "", body_limit: int | None = None) -> FastAPI:
+    """The engine service's app over a started (or starting) engine: /health, /metrics, /engine/v1
+    (behind ``token`` when given; bodies up to ``body_limit`` bytes, default from max_seq_len)."""
     app = FastAPI(title="Tandem engine", version=API_VERSION)
     app.state.engine = engine
+    app.add_middleware(BodyLimit, limit=body_limit or body_limit_for(engine.config.max_seq_len))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException):
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), type_, exc.status_code), exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(BodyTooLarge)
+    async def body_too_large(_: Request, exc: BodyTooLarge):
+        return JSONResponse(too_large(body_limit or body_limit_for(engine.config.max_seq_len)), 413)
 
     @app.get("/health")
     async def health():
@@ -84,13 +106,15 @@ def create_app(engine: Engine) -> FastAPI:
         body, content_type = render_metrics()
         return Response(body, media_type=content_type)
 
-    app.include_router(create_router(engine))
+    guard = [Depends(engine_token_guard(token))] if token else []
+    app.include_router(create_router(engine, guard))
+    app.include_router(create_control_router(engine, guard))
     return app
 
 
 def create_router(engine: Engine, dependencies: list | None = None) -> APIRouter:
-    """The versioned routes (/engine/v1/...); `tandem serve` mounts them on the gateway's port too,
-    behind its API keys."""
+    """The read-only versioned routes (/engine/v1/info, /stats); `tandem serve` mounts them on the
+    gateway's port too, behind its API keys."""
     app = APIRouter(dependencies=dependencies or [])
 
     @app.get(PREFIX + "/info")
@@ -103,6 +127,13 @@ def create_router(engine: Engine, dependencies: list | None = None) -> APIRouter
     @app.get(PREFIX + "/stats")
     async def stats():
         return await engine.stats()
+
+    return app
+
+
+def create_control_router(engine: Engine, dependencies: list | None = None) -> APIRouter:
+    """The routes that act (/engine/v1/generate, /abort, /reload-profile): the gateway's alone."""
+    app = APIRouter(dependencies=dependencies or [])
 
     @app.post(PREFIX + "/abort")
     async def abort(request: Request):
@@ -185,11 +216,14 @@ def main(argv: list[str] | None = None) -> int:
 
     check_model_or_exit("tandem engine", config)
     url = f"http://{config.host}:{config.port}"
+    token = env(ENGINE_TOKEN_ENV)
+    if warning := exposed_without_token(config.host, token):
+        log.warning("%s", warning)
     engine = Engine(config, on_ready=lambda: log.info("ready on %s (model %s, backend %s)", url,
                                                       engine.loaded.model_id, config.moe_backend.value))
     log.info("engine API on http://%s:%d (model %s loading in the background; GET /health for progress)",
              config.host, config.port, config.model)
-    return run_until_stopped("tandem engine", create_app(engine), engine, config.host, config.port)
+    return run_until_stopped("tandem engine", create_app(engine, token), engine, config.host, config.port)
 
 
 def run_until_stopped(prog: str, app: FastAPI, engine: Engine, host: str, port: int) -> int:

@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Protocol
 import httpx
 
 from services.common.logging import get_logger
+from services.common.settings import env
 from services.common.tokenizer import Tokenizer
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import error_body
@@ -89,12 +90,14 @@ class _HttpStream:
 class HttpEngineClient:
     """One engine reached over HTTP at ``url`` (its API under /engine/v1)."""
 
-    def __init__(self, url: str, engine_id: str | None = None, timeout_s: float = 10.0):
+    def __init__(self, url: str, engine_id: str | None = None, timeout_s: float = 10.0, token: str | None = None):
         self.url = url.rstrip("/")
         self.id = engine_id or self.url
+        token = env("TANDEM_ENGINE_TOKEN") if token is None else token  # the engine API's own token
         # generate streams may idle for a long time between tokens (queueing, prefill): no read timeout
         self._client = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(timeout_s, read=None),
-                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                                         headers={"Authorization": f"Bearer {token}"} if token else None)
         self._timeout_s = timeout_s
 
     async def _get(self, path: str) -> dict:

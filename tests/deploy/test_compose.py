@@ -102,6 +102,11 @@ def test_topology(services):
     assert services["gateway"]["environment"]["TANDEM_ENGINES"] == "http://engine:8001"
 
 
+def test_engine_and_gateway_share_the_engine_token(services):
+    token = services["engine"]["environment"]["TANDEM_ENGINE_TOKEN"]
+    assert token == services["gateway"]["environment"]["TANDEM_ENGINE_TOKEN"] == "${TANDEM_ENGINE_TOKEN:-}"
+
+
 def test_redis_keeps_jobs_across_restarts(services):
     """The job queue and results persist: append-only file, on a named volume (docs/operating.md)."""
     command = services["redis"]["command"]
