@@ -36,7 +36,7 @@ BASE_IMAGE = "localhost/tandem-ci/base:bookworm"
 STANDINS = ("redis", "prometheus", "grafana")
 WHEELHOUSE = "build/wheelhouse-ci"  # compose.ci.yml's WHEELHOUSE build arg; .dockerignore lets it in
 API_KEY, ADMIN_TOKEN = "ci-key", "ci-admin"
-PROFILE_ARGS = ["--seconds", "0.2", "--buffer-mib", "32"]  # a quick CPU-only `tandem bench bw`
+PROFILE_REQUEST = {"kind": "bw", "seconds": 0.2, "buffer_mib": 32}  # a quick CPU-only `tandem bench bw`
 SERVICES = {"redis", "engine", "worker", "gateway", "prometheus", "grafana"}
 
 
@@ -166,7 +166,7 @@ def test_profile_job_lands_in_the_shared_volume(stack):
     """POST /admin/profiles -> the worker writes /profiles/<uuid>.json -> the gateway lists it and the
     engine container reads the same file from its (read-only) mount of the volume."""
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    resp = httpx.post(stack.url("gateway", "/admin/profiles"), json={"argv": PROFILE_ARGS}, headers=admin,
+    resp = httpx.post(stack.url("gateway", "/admin/profiles"), json=PROFILE_REQUEST, headers=admin,
                       timeout=30)
     assert resp.status_code == 202, resp.text
     job_id = resp.json()["id"]
