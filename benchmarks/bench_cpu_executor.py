@@ -30,7 +30,7 @@ What changed (handoff rework) and what to expect on the H200 host (16 cores, 15 
                                                           if it stays > eager, eager stays the default
   bench bw cpu_ov (GB/s)           16.3       70-80       executor loop mode (no Python/GIL per job) on
                                                           cores-1 workers, bytes counted over the copy
-                                                          loop's own window (physlimits overlap: 81)
+                                                          loop's own window (ceilings overlap: 81)
   bench bw c_sync (us)             529        30-50       = this file's eager c_sync (was a round trip
                                                           with 16 workers + the driver on 16 cores)
 

@@ -6,13 +6,13 @@ prefetch in its GEMV loop: alone, and beside the PCIe gather that hybrid runs at
 
 ``--allocations N`` measures N banks allocated side by side (all alive at once, so each has its own
 memory): identical hybrid servers on one H200 host differ by 10-15 % in the executor's read rate for
-the whole life of the process (docs/benchmarks.md run 30), which a spread between allocations here would
+the whole life of the process, which a spread between allocations here would
 trace to where the banks' memory lands (in a VM, for example, which guest pages the host backs with
 huge pages).
 
 Why: hybrid's decode time is the CPU's share of each layer's misses read from host DRAM while the GPU
 copies the other share over PCIe from the same DRAM. The executor reached 103-108 GB/s alone on the
-H200 host where a plain AVX-512 read reached 125, and ~78-90 beside the copy (docs/benchmarks.md). Two
+H200 host where a plain AVX-512 read reached 125, and ~78-90 beside the copy. Two
 suspects, both measured here on the engine's own memory and kernels:
   - page size: in 4 KiB pages every 64 cache lines cost a page walk (two-level in a VM) and the L2
     streamer restarts at every page; the banks are now advised to 2 MiB pages (TANDEM_HOST_HUGE_PAGES);

@@ -1,8 +1,8 @@
 """How much faster the CPU executor computes experts whose weights are already in its caches.
 
-Groundwork for warming the CPU's caches during the time the GPU alone works (DESIGN.md §1): in hybrid
+Groundwork for warming the CPU's caches during the time the GPU alone works (docs/design.md §1): in hybrid
 decode the host DRAM is the binding resource and sits idle for ~150 us of every ~600 us layer (attention,
-routing; docs/benchmarks.md runs 11-13). If the executor's workers read the next layer's likely
+routing; docs/results/history.md runs 11-13). If the executor's workers read the next layer's likely
 experts into their caches then, the CPU's part of that layer would run from cache. Whether that can pay
 depends on two numbers of the host, both measured here:
 

@@ -20,19 +20,19 @@ check that the backends agree.
     python benchmarks/bench_decode_moe.py --model synthetic:qwen3-30b-a3b?layers=24 \
         --backend resident,offload,hybrid,auto --cache-rate 0.2,0.33,0.5,0.75 --json sweep.jsonl --plot sweep.png
 
-With ``--ceilings physlimits.json`` (the JSON that ``physlimits.py`` writes, measured in the same run)
-every row also gets its bandwidth bound: the missed experts' bytes per decode token (miss rate x top-k x
+With ``--ceilings ceilings.json`` (what ``python -m benchmarks.ceilings`` writes, measured in the same
+run) every row also gets its bandwidth bound: the missed experts' bytes per decode token (miss rate x top-k x
 MoE layers x expert bytes, plus the experts copied ahead by --moe-prefetch) over the ceiling of the path
 the backend uses — offload the PCIe gather, cpu the CPU's stream read, hybrid (and auto when it runs
 hybrid) the concurrent PCIe + CPU pair — and decode tok/s as a share of it.
 
-Identical servers differ by several percent (the H200 host: ±7 % for hybrid, docs/benchmarks.md run 18), so
+Identical servers differ by several percent (±7 % for hybrid on the H200 host), so
 ``--repeat N`` starts N servers per backend (and rate), in rounds — every configuration once, then again —
 so that drift over time spreads over all of them, and prints the mean, min and max per configuration.
 
 For cpu, hybrid and auto servers ``worker_preemptions`` counts how often the CPU executor's workers lost
 their core during the measured request (each time, that worker's share of a layer waited): it tells
-whether the client or anything else on the host shares their cores (H200 run 30: 17-94 per 128 tokens,
+whether the client or anything else on the host shares their cores (on the H200 host 17-94 per 128 tokens,
 and a client kept off the workers' cores decoded no faster).
 
 A failing backend (even a crash mid-stream) is recorded and the others still run; the exit code is
@@ -142,21 +142,35 @@ def engine_summary(stats: dict) -> dict:
     }
 
 
-# physlimits.py keys of the bandwidth each backend's misses move at (GB/s; a pair runs concurrently)
-BOUND_CEILINGS = {"offload": ("h2d_gather_8x9.4MB_GBs",), "cpu": ("c_avx512_stream_read_GBs",),
-                  "hybrid": ("overlap_pcie_GBs", "overlap_cpu_read_GBs")}
+# Ceilings (benchmarks/ceilings.py keys) of the bandwidth each backend's misses move at, GB/s. A backend's
+# bound sums its paths (hybrid's two run concurrently); each path takes the first key the file has (the
+# older rows under docs/results also carry a C stream read, a tighter CPU ceiling than torch's sum).
+BOUND_CEILINGS = {"offload": (("h2d_gather_8x9.4MB_GBs",),),
+                  "cpu": (("c_avx512_stream_read_GBs", "cpu_read_sum_fp32_GBs"),),
+                  "hybrid": (("overlap_pcie_GBs",), ("overlap_cpu_read_GBs",))}
+
+
+def _positive(ceilings: dict, key: str) -> bool:
+    return isinstance(ceilings.get(key), (int, float)) and ceilings[key] > 0
+
+
+def bound_keys(backend: str, ceilings: dict) -> list[str] | None:
+    """The ceilings ``backend``'s bound uses (one key per path), or None when the file lacks a path."""
+    keys = [next((k for k in path if _positive(ceilings, k)), None) for path in BOUND_CEILINGS[backend]]
+    return None if None in keys else keys
 
 
 def load_ceilings(path: Path) -> dict:
-    """physlimits.py's JSON; SystemExit naming the file and what is missing or wrong."""
+    """A ceilings JSON; SystemExit naming the file when it cannot be read or bounds no backend (a CPU-only
+    host's file bounds cpu alone: the other rows then go without a bound)."""
     try:
         ceilings = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise SystemExit(f"--ceilings {path}: cannot read a physlimits.py JSON ({exc})") from None
-    keys = {k for pair in BOUND_CEILINGS.values() for k in pair}
-    missing = sorted(k for k in keys if not isinstance(ceilings.get(k), (int, float)) or ceilings[k] <= 0)
-    if missing:
-        raise SystemExit(f"--ceilings {path}: no positive value for {', '.join(missing)} (not a physlimits.py JSON?)")
+        raise SystemExit(f"--ceilings {path}: cannot read a ceilings JSON ({exc})") from None
+    if not isinstance(ceilings, dict) or not any(bound_keys(b, ceilings) for b in BOUND_CEILINGS):
+        wanted = sorted({k for paths in BOUND_CEILINGS.values() for path in paths for k in path})
+        raise SystemExit(f"--ceilings {path}: no positive value for any of {', '.join(wanted)} "
+                         "(write one with python -m benchmarks.ceilings)")
     return ceilings
 
 
@@ -167,9 +181,12 @@ def bandwidth_bound(row: dict, ceilings: dict) -> dict:
     kind = row["backend"] if row["backend"] != "auto" else (row.get("auto") or {}).get("running")
     if not moe or rate is None or kind not in BOUND_CEILINGS or not row.get("completion_tokens"):
         return {}
+    keys = bound_keys(kind, ceilings)
+    if keys is None:
+        return {}
     ahead = (row.get("prefetched") or 0) / row["completion_tokens"]  # experts copied ahead per token
     per_token = (rate * moe["top_k"] * moe["layers"] + ahead) * moe["expert_bytes"]
-    used = {k: ceilings[k] for k in BOUND_CEILINGS[kind]}
+    used = {k: ceilings[k] for k in keys}
     bound = sum(used.values()) * 1e9 / per_token
     return {"bytes_per_token": per_token, "bound_tok_s": bound, "bound_ratio": row["decode_tok_s"] / bound,
             "bound_ceilings_GBs": used}
@@ -334,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="append one JSON line per backend (and cache rate) here")
     p.add_argument("--plot", type=Path, help="also plot tok/s against the share of experts cached to this PNG")
     p.add_argument("--ceilings", type=Path,
-                   help="physlimits.py JSON of this host (same run): add each row's bandwidth bound and ratio")
+                   help="ceilings JSON of this host (python -m benchmarks.ceilings, same run): add each row's "
+                        "bandwidth bound and ratio")
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error(f"--repeat must be at least 1, got {args.repeat}")

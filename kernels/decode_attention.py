@@ -13,7 +13,7 @@ query heads ``h % G == 0`` store that key/value at ``[slot, position]`` (no othe
 entry: no race). Online softmax in fp32 (as flash attention); scale 1/sqrt(Dh) as SDPA.
 Why the split: at bs=1 one program per head is B*H = 32 programs for 132 SMs, each walking the whole
 context; on the H200 that was 68 us per layer at ~450 tokens, half the resident decode step
-(docs/benchmarks.md run 22). C is fixed by W, not by the position, so a captured graph fits every step.
+(docs/results/history.md run 22). C is fixed by W, not by the position, so a captured graph fits every step.
 
 The reference is ``decode_attention_ref`` (SDPA over the gathered window); tests/kernels/test_decode_attention.py.
 """

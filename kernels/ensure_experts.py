@@ -1,4 +1,4 @@
-"""ensure_experts: the device-side LRU of the expert slot cache (DESIGN.md §3) as a Triton kernel; its
+"""ensure_experts: the device-side LRU of the expert slot cache (docs/design.md §3) as a Triton kernel; its
 pure-torch reference, which agrees bit for bit, and the CacheState it works on are in ensure_experts_ref.py.
 
 Dimension legend: T tokens · A experts per token · N = T*A routes · E experts per layer · L MoE layers ·

@@ -1,4 +1,4 @@
-"""ensure_experts_hybrid: ensure_experts that fetches only F of a layer's M misses (DESIGN.md §1, §3);
+"""ensure_experts_hybrid: ensure_experts that fetches only F of a layer's M misses (docs/design.md §1, §3);
 the other M-F misses are routed to the CPU executor. Triton kernel + pure-torch reference, bit for bit.
 
 Dimension legend: T tokens · A experts per token · N = T*A routes · E experts per layer · S slots.

@@ -19,7 +19,7 @@ MAX_SLOTS = 1 << 16
 # layer are halved: old traffic fades, and all layers keep one scale, since their slots are one pool that
 # eviction compares across layers (halving one layer alone made its experts look half as used as the
 # others'; benchmarks/sim_expert_cache.py, with caps low enough to age: 0.1-4.6 % fewer misses than halving
-# per layer; docs/benchmarks.md). The cap is the caller's (``use_cap``, --moe-cache-lfu-cap), at most
+# per layer; docs/results/history.md). The cap is the caller's (``use_cap``, --moe-cache-lfu-cap), at most
 # USE_CAP so that uses << USE_SHIFT stays below _PROTECTED; USE_CAP ages only in long-running servers, and
 # faster aging helped some traces and hurt others. The clock's low 36 bits wrap after ~2^36 calls (about a
 # year of decode at 24 layers x 100 tok/s), which only reorders equal counts once.

@@ -7,7 +7,7 @@ Two implementations, selected by TANDEM_COPY_MODE (read by the cache):
 - ``fused``: ONE Triton launch for all jobs and all banks. Programs ``(job, bank, chunk)`` read pinned host
   memory through its UVA device pointer and write the slot; programs of jobs >= job_count do nothing, so
   the launch has a fixed grid and no host round trip (capturable in a CUDA graph). Per-bank launches cost
-  ~18.6 µs each on the H200 host (DESIGN.md §6); one launch pays that once.
+  ~18.6 µs each on the H200 host (docs/design.md §6); one launch pays that once.
 - ``per-bank``: for each bank, one ``copy_`` per job (reads job_count on the host: a sync). The A/B
   baseline, and the path on CPU devices, where the "device" slots are ordinary memory.
 

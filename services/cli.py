@@ -16,6 +16,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "bw"): ("services.profiler.bench_bw:main", "measure host/PCIe bandwidths, write a profile"),
     ("bench", "load"): ("services.profiler.bench_load:main", "compare checkpoint loading strategies"),
     ("bench", "cache-copy"): ("benchmarks.bench_offload_cache_copy:main", "time copy_missing over bs x miss rate"),
+    ("bench", "suite"): ("benchmarks.suite:main", "the results page's benchmarks on this host: ceilings, decode, serving"),
 }
 
 

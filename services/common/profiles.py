@@ -3,7 +3,7 @@
 A profile is what `tandem bench bw` measured on one GPU host, one JSON file per GPU UUID in the
 profiles directory (env TANDEM_PROFILES_DIR, default ``$XDG_CACHE_HOME/tandem/profiles``). The engine
 reads it at start and on `/engine/v1/reload-profile`; the decision below is the prior for
-``--moe-backend auto`` (the engine corrects it online, DESIGN.md §1).
+``--moe-backend auto`` (the engine corrects it online, docs/design.md §1).
 
 Units: bandwidths in GB/s (1e9 bytes per second), times in seconds, sizes in bytes.
 """
@@ -75,7 +75,7 @@ class KernelBandwidths(_Model):
 
 
 class Concurrent(_Model):
-    """Both paths at once, competing for host DRAM (GB/s): these set the split (DESIGN.md §1)."""
+    """Both paths at once, competing for host DRAM (GB/s): these set the split (docs/design.md §1)."""
 
     pcie_ov: float = Field(gt=0)
     cpu_ov: float = Field(gt=0)
@@ -229,7 +229,7 @@ def list_profiles(directory: str | os.PathLike | None = None) -> list[ProfileEnt
 
 
 # ------------------------------------------------------------------------------------------------
-# Decision (DESIGN.md §1)
+# Decision (docs/design.md §1)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -246,7 +246,7 @@ class Decision:
 
 
 def fetch_count(misses: int, f: float) -> int:
-    """F of M misses to fetch (DESIGN.md §1): floor(M*f) or one more, whichever has the smaller
+    """F of M misses to fetch (docs/design.md §1): floor(M*f) or one more, whichever has the smaller
     max(F*(1-f), (M-F)*f). The device does the same in Q16 fixed point."""
     lo = math.floor(misses * f)
     hi = min(lo + 1, misses)

@@ -10,7 +10,7 @@ from services.common.settings import field
 
 
 class MoEBackend(str, enum.Enum):
-    """How experts are computed (DESIGN.md §2)."""
+    """How experts are computed (docs/design.md §2)."""
 
     RESIDENT = "resident"  # all experts on the compute device, no cache
     OFFLOAD = "offload"  # GPU slot cache; misses fetched over PCIe
@@ -54,19 +54,19 @@ class EngineConfig:
     model: str = field(env="TANDEM_MODEL", help="checkpoint directory (Hugging Face layout), 'demo', or 'synthetic:NAME[?layers=N]'")
     device: Device = field(Device.CPU, help="compute device")
     dtype: DType = field(DType.FLOAT32, help="weight and activation dtype")
-    moe_backend: MoEBackend = field(MoEBackend.RESIDENT, help="expert backend: resident, offload, cpu, hybrid or auto (DESIGN.md §2)")
+    moe_backend: MoEBackend = field(MoEBackend.RESIDENT, help="where experts are computed: resident (all on the "
+                                    "GPU), offload (misses copied over PCIe), cpu (misses on the CPU), hybrid "
+                                    "(misses split between both) or auto (offload or hybrid, timed while serving)")
     moe_cache_size: int | None = field(None, help="GPU expert cache size in slots (one slot = one expert of one layer)")
     moe_cache_rate: float | None = field(None, help="GPU expert cache size as a share of all L*E experts, 0 < r <= 1")
     moe_cache_auto: bool = field(False, help="size the expert cache to fill the VRAM budget after weights and the KV reserve")
     moe_cache_policy: CachePolicy | None = field(None, help="offload/cpu/hybrid: which cached expert a fetched miss "
                                                  "replaces: lfu (least often routed to, then least recent; hybrid then "
                                                  "fetches its most used misses and leaves the rest to the CPU) or lru "
-                                                 "(least recently used); unset = lfu, or lru with --moe-prefetch. lfu "
-                                                 "missed 8-12 %% less and decoded ~5 %% faster on the H200 (runs 35-38)")
+                                                 "(least recently used); unset = lfu, or lru with --moe-prefetch")
     moe_cache_lfu_cap: int = field(LFU_CAP_MAX, help="lfu: when an expert's use count reaches this, every layer's "
                                                      "counts are halved, so old traffic fades; lower ages faster "
-                                                     f"(2-{LFU_CAP_MAX}; simulated at real width: 64 missed ~2 %% "
-                                                     "less, docs/benchmarks.md)")
+                                                     f"(2-{LFU_CAP_MAX})")
     moe_hybrid_max_fetch: int = field(-1, help="hybrid: most misses fetched per layer and step; -1 = automatic, 0 = all misses on the CPU")
     moe_cpu_threads: int = field(0, help="cpu/hybrid: CPU executor workers, each pinned to a physical core; 0 = one per core "
                                          "minus one for the thread driving the GPU")

@@ -1,6 +1,6 @@
 """Every Prometheus metric the engine exports, declared once (vLLM ``v1/metrics/loggers.py`` style).
 
-Names follow DESIGN.md §5: prefix ``tandem_``, unit suffixes, label ``model_name``. Torch-free, so the
+Names follow docs/design.md §5: prefix ``tandem_``, unit suffixes, label ``model_name``. Torch-free, so the
 gateway, tests and tools can import it. Callers stay one-liners through ``EngineMetrics``:
 
     metrics = EngineMetrics(model_id)
@@ -63,7 +63,7 @@ CPU_WORKER_PREEMPTIONS = Counter("tandem_cpu_worker_preemptions_total",
                                  "worker's share of a layer; a high rate means other work runs on the workers' cores.",
                                  _M)
 HYBRID_FETCH_FRACTION = Gauge("tandem_hybrid_fetch_fraction",
-                              "Share f of missing experts sent to the fetch path (DESIGN.md §1), 0..1.", _M)
+                              "Share f of missing experts sent to the fetch path (docs/design.md §1), 0..1.", _M)
 BANDWIDTH = Gauge("tandem_bandwidth_bytes_per_second",
                   "Bandwidth measured online while both paths run: path=pcie (fetch) or path=cpu (in place).",
                   ["model_name", "path"])

@@ -1,4 +1,4 @@
-"""`tandem bench bw`: measure this host's bandwidths and write the GPU's profile (DESIGN.md §1, §4).
+"""`tandem bench bw`: measure this host's bandwidths and write the GPU's profile (docs/design.md §1, §4).
 
     tandem bench bw                                   # first GPU, bf16, Qwen3-30B-A3B geometry
     tandem bench bw --dtype bfloat16,float32 --model mixtral-8x7b --gpu GPU-3f2a... --seconds 2

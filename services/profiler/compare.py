@@ -1,7 +1,7 @@
-"""Side by side: a `tandem bench bw` profile and the physical ceilings of ../shared/tools/physlimits.py
+"""Side by side: a `tandem bench bw` profile and the physical ceilings that `python -m benchmarks.ceilings`
 measured on the same host, so each number we use has its hardware bound next to it.
 
-    python -m services.profiler.compare PROFILE.json physlimits.json [--dtype bfloat16] [--json OUT]
+    python -m services.profiler.compare PROFILE.json ceilings.json [--dtype bfloat16] [--json OUT]
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from services.common.profiles import read_profile
 
-# (what, profile getter, physlimits keys: the first present is the bound)
+# (what, profile getter, ceilings keys: the first present is the bound; the C keys are in older rows only)
 ROWS = (
     ("CPU DRAM read", lambda p, k: p.ceilings.cpu_read, ("c_avx512_stream_read_GBs", "cpu_read_sum_fp32_GBs")),
     ("H2D linear pinned", lambda p, k: p.ceilings.h2d, ("h2d_pinned_linear_GBs",)),
@@ -26,10 +26,10 @@ ROWS = (
 )
 
 
-def compare(profile_path: str | Path, physlimits_path: str | Path, dtype: str = "bfloat16") -> list[dict]:
-    """One row per quantity: ours (GB/s), the physlimits bound (GB/s, key) and ours / bound."""
+def compare(profile_path: str | Path, ceilings_path: str | Path, dtype: str = "bfloat16") -> list[dict]:
+    """One row per quantity: ours (GB/s), the ceiling (GB/s, key) and ours / bound."""
     profile = read_profile(profile_path)
-    limits = json.loads(Path(physlimits_path).read_text())
+    limits = json.loads(Path(ceilings_path).read_text())
     rows = []
     for what, get, keys in ROWS:
         ours = get(profile, dtype)
@@ -43,12 +43,12 @@ def compare(profile_path: str | Path, physlimits_path: str | Path, dtype: str = 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m services.profiler.compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("profile")
-    p.add_argument("physlimits")
+    p.add_argument("profile", help="a profile JSON written by `tandem bench bw`")
+    p.add_argument("ceilings", help="the same host's ceilings JSON (python -m benchmarks.ceilings)")
     p.add_argument("--dtype", default="bfloat16", help="expert format of the profile to compare (default: %(default)s)")
     p.add_argument("--json", default=None, help="also write the rows to this file")
     args = p.parse_args(argv)
-    rows = compare(args.profile, args.physlimits, args.dtype)
+    rows = compare(args.profile, args.ceilings, args.dtype)
     fmt = lambda v: f"{v:8.1f}" if isinstance(v, (int, float)) else "       -"  # noqa: E731
     print(f"{'quantity':<22}{'ours GB/s':>10}{'bound':>9}{'ours/bound':>11}  bound from")
     for r in rows:

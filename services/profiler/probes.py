@@ -212,7 +212,7 @@ def linear_copy(buffer_bytes: int, device: int, seconds: float) -> tuple[float, 
 class Gather:
     """The offload path's PCIe gather: A experts of one layer into GPU slots, every bank, through the
     cache helper's fused ``copy_missing`` (kernels/gather_copy.py, one launch) when it is in the tree,
-    else one ``copy_`` per expert and bank (what physlimits.py measures)."""
+    else one ``copy_`` per expert and bank (what benchmarks/ceilings.py measures)."""
 
     def __init__(self, bank: ExpertBank, top_k: int, device: int):
         self.bank, self.A = bank, min(top_k, bank.num_experts)
@@ -255,7 +255,7 @@ def gather_bw(gather: Gather, seconds: float) -> float:
 
 def concurrent(kernel: CpuKernel, gather: Gather, seconds: float) -> tuple[float, float]:
     """(pcie_ov, cpu_ov) GB/s, both over the same wall-clock window: the executor runs jobs back to back
-    on its own threads (loop mode, as physlimits' overlap.py runs its C GEMV) while this thread gathers
+    on its own threads (loop mode, like a C GEMV looping on every core) while this thread gathers
     in a loop; the CPU's rate is the expert bytes its jobs read between the window's two counter
     readings. This thread only enqueues copies and waits on the GPU: give the executor one core less
     than the host has (bench_bw does), or the two fight over a core. Without the executor, the torch

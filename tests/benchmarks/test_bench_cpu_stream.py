@@ -1,6 +1,6 @@
 """benchmarks/bench_cpu_stream.py as a tool: a small CPU run gives a row per page size and prefetch setting,
 with the page size really used; bad settings are named before anything is allocated (the numbers
-themselves live in docs/benchmarks.md)."""
+themselves live in docs/results/history.md)."""
 
 import json
 

@@ -1,5 +1,5 @@
 """benchmarks/bench_cpu_warm.py as a tool: a small run reports cold and warm rates per job size and the
-caches it found; bad --experts-per-job values are named (the numbers themselves live in docs/benchmarks.md)."""
+caches it found; bad --experts-per-job values are named (the numbers themselves live in docs/results/history.md)."""
 
 import json
 

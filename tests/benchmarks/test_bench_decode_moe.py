@@ -32,11 +32,11 @@ def run_bench(tmp_path, ckpt, *args):
 
 
 CEILINGS = {"h2d_gather_8x9.4MB_GBs": 50.0, "c_avx512_stream_read_GBs": 90.0, "overlap_pcie_GBs": 45.0,
-            "overlap_cpu_read_GBs": 60.0, "hbm_copy_rw_GBs": 4000.0}  # physlimits.py's keys, made-up values
+            "overlap_cpu_read_GBs": 60.0, "hbm_copy_rw_GBs": 4000.0}  # ceilings keys, made-up values
 
 
 def test_backends_agree_over_a_cache_sweep_and_plot(tmp_path, demo_ckpt):
-    png, ceilings = tmp_path / "decode.png", tmp_path / "physlimits.json"
+    png, ceilings = tmp_path / "decode.png", tmp_path / "ceilings.json"
     ceilings.write_text(json.dumps(CEILINGS))
     proc, rows = run_bench(tmp_path, demo_ckpt, "--backend", "resident,offload", "--cache-rate", "0.25,0.5",
                            "--plot", str(png), "--ceilings", str(ceilings))
@@ -107,8 +107,8 @@ def test_bound_follows_the_backend_that_ran_and_counts_prefetched_bytes():
 
 
 def test_a_bad_ceilings_file_is_named_before_any_server_starts(tmp_path, demo_ckpt):
-    bad = tmp_path / "physlimits.json"
-    bad.write_text(json.dumps({"h2d_gather_8x9.4MB_GBs": 50.0}))
+    bad = tmp_path / "ceilings.json"
+    bad.write_text(json.dumps({"h2d_pinned_linear_GBs": 50.0, "overlap_pcie_GBs": 45.0}))  # bounds no backend
     proc, rows = run_bench(tmp_path, demo_ckpt, "--backend", "offload", "--ceilings", str(bad))
     assert proc.returncode != 0 and not rows
     assert f"--ceilings {bad}" in proc.stderr and "overlap_pcie_GBs" in proc.stderr
@@ -144,3 +144,16 @@ def test_repeat_must_be_positive(tmp_path, demo_ckpt):
     proc, _ = run_bench(tmp_path, demo_ckpt, "--repeat", "0")
     assert proc.returncode == 2 and "--repeat must be at least 1" in proc.stderr
 
+
+
+def test_a_cpu_only_ceilings_file_bounds_the_cpu_backend_alone():
+    """benchmarks.ceilings on a host without CUDA writes the CPU read only: cpu rows get their bound from it,
+    offload and hybrid rows go without one (not a crash)."""
+    from benchmarks.bench_decode_moe import bandwidth_bound
+
+    moe = {"layers": 2, "experts": 8, "top_k": 2, "expert_bytes": 1000}
+    row = {"backend": "cpu", "moe": moe, "miss_rate": 0.5, "completion_tokens": 10, "decode_tok_s": 5.0}
+    cpu_only = {"cpu_read_sum_fp32_GBs": 8.0, "gpu": None}
+    assert bandwidth_bound(row, cpu_only)["bound_ceilings_GBs"] == {"cpu_read_sum_fp32_GBs": 8.0}
+    assert bandwidth_bound({**row, "backend": "hybrid"}, cpu_only) == {}
+    assert bandwidth_bound({**row, "backend": "offload"}, cpu_only) == {}

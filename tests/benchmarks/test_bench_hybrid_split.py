@@ -1,5 +1,5 @@
 """benchmarks/bench_hybrid_split.py as a tool: a CPU smoke run of every config kind on Qwen3-30B-A3B's
-routing geometry at an eighth of the width (the numbers themselves live in docs/benchmarks.md)."""
+routing geometry at an eighth of the width (the numbers themselves live in docs/results/history.md)."""
 
 import json
 import re

@@ -122,7 +122,7 @@ def test_fetch_fraction_from_concurrent_bandwidths():
 
 
 def test_hybrid_when_predicted_faster():
-    # H200 host numbers (DESIGN.md §6): 52 GB/s PCIe alone, 52 + 74 concurrent, 14 us sync
+    # H200 host numbers (docs/design.md §6): 52 GB/s PCIe alone, 52 + 74 concurrent, 14 us sync
     d = P.decide(make_profile(), B, 4.0, 48)
     assert d.backend == "hybrid"
     assert d.t_hybrid_s < d.t_offload_s

@@ -1,6 +1,6 @@
 """Where the model's small fused ops run: one Triton launch each on CUDA, the torch reference elsewhere.
 
-A bs=1 decode step is launch-bound (DESIGN.md §6: a few us per kernel even under CUDA-graph replay,
+A bs=1 decode step is launch-bound (docs/design.md §6: a few us per kernel even under CUDA-graph replay,
 48 layers), so RMSNorm (+ residual add), q/k norm + rope, decode attention (+ KV write) and the router's
 softmax/top-k are single Triton kernels on the GPU (kernels/rmsnorm.py, qk_norm_rope.py,
 decode_attention.py, route_topk.py), q/k/v (gate/up) are one matmul (``LinearGroup``; everywhere), and

@@ -1,4 +1,4 @@
-"""The expert-backend contract and its registry (DESIGN.md §2).
+"""The expert-backend contract and its registry (docs/design.md §2).
 
 A MoE block computes the router and then hands the routed experts to one ``ExpertBackend``:
 

@@ -1,4 +1,4 @@
-"""ExpertCache: the GPU slot pool shared by all MoE layers (DESIGN.md §3).
+"""ExpertCache: the GPU slot pool shared by all MoE layers (docs/design.md §3).
 
 Legend: L MoE layers · E experts per layer · S slots · T tokens · A experts per token · C = min(E, S).
 

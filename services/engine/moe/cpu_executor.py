@@ -5,7 +5,7 @@ Dimension legend: T tokens · A routes per token · E experts · D hidden · I e
 The work runs in a C++ extension (``csrc/``): a persistent pool of worker threads, one per physical core
 and pinned, that splits the rows of each expert's gate_up and down GEMVs across cores (at bs=1 the
 parallelism is *inside* the expert GEMVs) with AVX-512-BF16 / AVX-512 / AVX2 / scalar kernels picked at
-run time. Plain per-expert torch calls reach ~60 of 103 GB/s DRAM read on the H200 host (DESIGN.md §6);
+run time. Plain per-expert torch calls reach ~60 of 103 GB/s DRAM read on the H200 host (docs/design.md §6);
 the decode GEMV is bandwidth-bound, so that gap is the reason for the extension.
 
 The extension is compiled from source once per (Python, torch) pair into a cache directory

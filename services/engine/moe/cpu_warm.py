@@ -4,7 +4,7 @@ Legend: T tokens · A experts per token · W experts per token warmed (<= A) · 
 E experts per layer · D hidden · L MoE layers.
 
 Why: a hybrid decode layer is bound by the host DRAM that the CPU executor and the PCIe copies share
-(docs/benchmarks.md runs 11-13), yet that DRAM idles while only the GPU works — the add of the CPU's
+(docs/results/history.md runs 11-13), yet that DRAM idles while only the GPU works — the add of the CPU's
 part, attention, the router and the split of the next layer, ~150 us of a ~600 us layer. The H200 host
 has 300 MiB of L3, and the executor computes experts found there at 100-134 GB/s against ~82 from DRAM
 (run 14). So the idle time is spent reading the experts the CPU is about to need into its caches.

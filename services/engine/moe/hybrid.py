@@ -1,4 +1,4 @@
-"""The `cpu` and `hybrid` backends (DESIGN.md §2): hits on the GPU slots, misses split between PCIe fetch
+"""The `cpu` and `hybrid` backends (docs/design.md §2): hits on the GPU slots, misses split between PCIe fetch
 and the CPU executor, which reads the host banks in place. `cpu` is hybrid with every miss on the CPU.
 
 Legend: T tokens · A experts per token · E experts per layer · S slots · D hidden · L MoE layers.
@@ -21,7 +21,7 @@ per step the copy time of the fetched experts, the CPU compute time and c_sync, 
 finish together; at f = 1 (CPU cannot help) layers run as plain offload, with no CPU submit at all. After
 TUNE_AFTER_STEPS decode steps the tuner (SplitTuner) takes over: it times a grid of f and the model's f on
 the step time the engine reports (observe_decode_step) and searches around the fastest. Both paths share
-the host DRAM, so the rates the model equalises move with f (H200 host: docs/benchmarks.md runs 8-10).
+the host DRAM, so the rates the model equalises move with f (H200 host: docs/results/history.md runs 8-10).
 `--moe-hybrid-max-fetch N >= 0` fixes the split instead: fetch at most N misses per layer.
 
 Two handoffs on CUDA (TANDEM_HYBRID_GRAPHS):

@@ -1,5 +1,5 @@
 """The `offload` backend: experts live in (pinned) host banks; a GPU slot cache holds the recently used
-ones; misses are fetched over PCIe and every routed expert is computed on the GPU (DESIGN.md §2-3).
+ones; misses are fetched over PCIe and every routed expert is computed on the GPU (docs/design.md §2-3).
 
 Legend: T tokens · A experts per token · E experts per layer · S slots · D hidden · C = min(E, S).
 

@@ -1,7 +1,7 @@
-"""Next-layer prefetch for the slot cache (DESIGN.md §3): while layer l computes, copy the experts layer
+"""Next-layer prefetch for the slot cache (docs/design.md §3): while layer l computes, copy the experts layer
 l+1 is predicted to route to, so PCIe also works through the time the GPU spends on attention, routing
 and its own experts, in which the offload and hybrid decode paths leave it idle (H200 host: ~150 us of
-every ~630 us layer of hybrid, docs/benchmarks.md run 8).
+every ~630 us layer of hybrid, docs/results/history.md run 8).
 
 Legend: T tokens · A experts per token · P experts prefetched per token and layer (--moe-prefetch, <= A) ·
 E experts per layer · S slots · D hidden · L MoE layers.
@@ -30,7 +30,7 @@ Order per layer (decode: T*A <= DECODE_MAX_ROUTES; prefill never prefetches):
 In hybrid the CPU executor and the PCIe copies read the same host DRAM, which the CPU alone nearly
 saturates, so hybrid starts the copy when the CPU's part of layer l is in, aiming at the time the GPU
 alone works (attention, routing, ~150 us a layer). On the H200 host neither placement gains (runs 11-12
-of docs/benchmarks.md: the copy spills into the next layer's CPU work, and DRAM, not PCIe, is what hybrid
+of docs/results/history.md: the copy spills into the next layer's CPU work, and DRAM, not PCIe, is what hybrid
 is short of); offload gains 1-5 % at P = 1-2. Hence off by default.
 Slots are safe: the reserve takes LRU victims, and with S >= 2*T*A + T*P (``fits``) there are always
 older slots than the T*A in use by layer l and the T*P just reserved, so neither stream writes a slot the

@@ -1,5 +1,5 @@
 """How many expert slots the GPU cache gets: ``--moe-cache-size N`` | ``--moe-cache-rate r`` |
-``--moe-cache-auto`` (DESIGN.md §3). One slot holds one expert of one layer (all its banks).
+``--moe-cache-auto`` (docs/design.md §3). One slot holds one expert of one layer (all its banks).
 
 Legend: L MoE layers · E experts per layer · A experts per token (top-k) · S slots.
 

@@ -1,4 +1,4 @@
-"""The fetch/CPU split of a hybrid step (DESIGN.md §1) and the controller that corrects it online.
+"""The fetch/CPU split of a hybrid step (docs/design.md §1) and the controller that corrects it online.
 
 Per layer and step, M experts miss the GPU cache, each B bytes. F are fetched over PCIe, M-F are
 computed by the CPU executor in place, both at once:

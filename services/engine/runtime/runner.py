@@ -11,7 +11,7 @@ padding slot when CUDA graphs are on) and the sampler; the model is the registry
 (contract: ``forward(input_ids [T], positions [T], ForwardBatch, KVCache) -> logits [N, V]``).
 
 On CUDA, decode steps (one token per sequence) replay CUDA graphs captured at start for padded batch
-sizes 1, 2, 4, 8, 16, ...: an eager decode step costs ~20 launches x L layers x ~19 us (DESIGN.md §6:
+sizes 1, 2, 4, 8, 16, ...: an eager decode step costs ~20 launches x L layers x ~19 us (docs/design.md §6:
 ~18 ms/token at 48 layers), a replay one launch. Padding rows write to the spare KV slot. Each graph is
 checked against an eager forward once after capture; a size that fails to capture or to match runs
 eager (logged), so a backend that is not graph-safe costs speed, never correctness.
@@ -261,7 +261,7 @@ class DecodeGraphs:
         # Loose on purpose: bf16 kernels over a longer masked window may round differently, and hybrid's
         # two passes split differently (the replay's fetches are the eager pass's hits), so an expert
         # computed by the GPU in one is computed by the CPU in the other (24-layer synthetic model on the
-        # H200: 2.1 % with --moe-cpu-warm 4, docs/benchmarks.md run 15); a frozen decision (wrong slot,
+        # H200: 2.1 % with --moe-cpu-warm 4, docs/results/history.md run 15); a frozen decision (wrong slot,
         # wrong expert) moves logits by their own magnitude.
         diff, scale = (replayed - eager).abs().max().item(), eager.abs().max().item()
         if not diff <= 0.05 * scale + 1e-3:

@@ -149,7 +149,7 @@ class Sampler:
             for j, i in enumerate(rows):  # a row draws over its own candidates: never its neighbours'
                 k = self._candidates(params[i], logits.shape[1])
                 # gather, not token_ids[j, idx]: indexing with a 0-dim device tensor reads it on the host,
-                # a sync that kept the engine from queueing the next step ahead (docs/benchmarks.md run 27)
+                # a sync that kept the engine from queueing the next step ahead (docs/results/history.md run 27)
                 out[i:i + 1] = token_ids[j].gather(0, self._draw(probs[j, :k], generators[i]).view(1))
         return out
 
@@ -165,7 +165,7 @@ class Sampler:
         when a row has none. Rows sharing one setting (a single request, say) use plain scalars: no
         host-to-device copy of the parameters per token. (A top-k of the 152k logits of Qwen3 instead of
         sorting them all, and no parameter copies: resident decode end to end went from 291 to 320 tok/s
-        on the H200 host, docs/benchmarks.md runs 4 and 9.)"""
+        on the H200 host, docs/results/history.md runs 4 and 9.)"""
         n, V = logits.shape
         dev = logits.device
         ks = [cls._candidates(p, V) for p in params]

@@ -50,7 +50,7 @@ def test_real_geometries():
     assert (spec.num_layers, spec.num_experts, spec.top_k, spec.hidden_size, spec.moe_intermediate_size,
             spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.vocab_size) == (
             48, 128, 8, 2048, 768, 32, 4, 128, 151936)
-    assert spec.expert_nbytes(torch.bfloat16) == 9_437_184  # the 9.4 MB of DESIGN.md §6
+    assert spec.expert_nbytes(torch.bfloat16) == 9_437_184  # the 9.4 MB of docs/design.md §6
     # ~3.3 B active parameters per token (Qwen3-30B-A3B's "A3B")
     assert 3.0e9 < spec.active_weight_nbytes(torch.bfloat16) / 2 < 3.6e9
     mix = synthetic_spec("synthetic:mixtral-8x7b", tokenizer_vocab=0)

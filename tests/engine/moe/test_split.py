@@ -68,7 +68,7 @@ def test_balanced_fraction_equalises_including_c_sync():
     assert 0 < f < 1
     assert m.t_fetch(f * M) == pytest.approx(m.t_cpu(M, f * M), rel=1e-9)
     without = CostModel(B, 52e9, 74e9, 0.0).balanced_fraction(M)
-    assert without == pytest.approx(52 / (52 + 74))  # DESIGN.md §1: f = pcie_ov / (pcie_ov + cpu_ov)
+    assert without == pytest.approx(52 / (52 + 74))  # docs/design.md §1: f = pcie_ov / (pcie_ov + cpu_ov)
     assert f > without  # c_sync makes the CPU side dearer: fetch more
 
 

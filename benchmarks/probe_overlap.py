@@ -2,7 +2,7 @@
 
 Starts an in-process Engine (synthetic model, CUDA), decodes one request and times, per step, how long
 runner.launch and runner.collect hold the model thread, and whether torch reports a synchronizing call
-inside launch (torch.cuda.set_sync_debug_mode). Usage: python scripts/probe_overlap.py MODEL BACKEND [ARGS]
+inside launch (torch.cuda.set_sync_debug_mode). Usage: python -m benchmarks.probe_overlap MODEL BACKEND [ARGS]
 """
 
 import ast

@@ -1,0 +1,56 @@
+"""The benchmark suite end to end at its tiny scale (the demo model on the CPU, real servers), and its
+table from rows."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.suite import SCALES, headline_rows, markdown
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_tiny_suite_writes_every_output(tmp_path):
+    out = tmp_path / "suite"
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "bench", "suite", "--scale", "tiny", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "suite.json").read_text())
+    assert summary["status"] == {"ceilings": 0, "decode": 0, "serving": 0, "resident": "skipped: needs CUDA"}
+    assert summary["ceilings"]["cpu_read_sum_fp32_GBs"] > 0 and summary["ceilings"]["gpu"] is None
+    assert [(r["backend"], r["cache_rate"]) for r in summary["headline"]] == [("resident", None), ("hybrid", 0.5),
+                                                                             ("cpu", 0.25)]
+    assert all(r["tok_s"] > 0 and r["servers"] == 1 for r in summary["headline"])
+    cpu = summary["headline"][2]  # the CPU-only ceilings bound the cpu backend (its DRAM read)
+    assert cpu["bound_tok_s"] > 0 and cpu["bound_ratio"] == pytest.approx(cpu["tok_s"] / cpu["bound_tok_s"])
+    rows = [json.loads(line) for line in (out / "decode.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(r["ok"] for r in rows)
+    assert len({r["output_sha1"] for r in rows}) >= 1
+    serving = json.loads((out / "serving.json").read_text())
+    assert [r["concurrency"] for r in serving] == [1, 2] and all(r["identical"] for r in serving)
+    assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (out / "table.md").read_text()
+    assert "| resident | all |" in table and "| cpu | 25 % |" in table and "## Commands" in table
+    assert "benchmarks.bench_decode_moe" in table and "bench_resident_decode" not in table  # skipped, not shown
+
+
+def test_table_marks_failed_rows_and_missing_bounds():
+    scale = SCALES["tiny"]
+    decode = [{"backend": "resident", "cache_rate": None, "ok": True, "decode_tok_s": 10.0, "ttft_ms": 5.0},
+              {"backend": "hybrid", "cache_rate": 0.5, "ok": True, "decode_tok_s": 4.0, "bound_tok_s": 8.0,
+               "bound_ratio": 0.5, "miss_rate": 0.3},
+              {"backend": "hybrid", "cache_rate": 0.5, "ok": True, "decode_tok_s": 6.0, "bound_tok_s": 8.0},
+              {"backend": "cpu", "cache_rate": 0.25, "ok": False, "error": "server exited"}]
+    results = {"ceilings": {"cpu_read_sum_fp32_GBs": 9.0}, "decode": decode, "serving": [], "resident": None}
+    rows = headline_rows(scale, results)
+    assert rows[1]["tok_s"] == 5.0 and rows[1]["servers"] == 2 and rows[1]["bound_ratio"] == pytest.approx(5 / 8)
+    assert rows[2]["tok_s"] is None and rows[2]["servers"] == 0
+    table = markdown(scale, "demo", results, {"decode": ["python -m benchmarks.bench_decode_moe ..."]})
+    assert "| hybrid | 50 % | – | 5.0 | 8.0 | 0.62 |" in table
+    assert "failed: server exited" in table and "| cpu_read_sum_fp32_GBs | 9.0 |" in table
