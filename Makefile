@@ -27,9 +27,12 @@ system-deps:
 	@bash scripts/setup-system.sh
 
 # The compose topology as local processes (redis, worker, engine, gateway, Prometheus when installed).
-# Extra engine flags: make run ARGS="--moe-backend offload --moe-cache-rate 0.5"
+# The demo runs the hybrid path with a quarter of the experts cached, so every request has misses split
+# between the fetch and the CPU, and the dashboard's expert panels (miss rate, the split) have data.
+# Other engine flags (later ones win): make run ARGS="--moe-backend offload --moe-cache-rate 0.5"
+DEMO_ARGS ?= --moe-backend hybrid --moe-cache-rate 0.25
 run: setup
-	$(VENV)/bin/tandem stack --model $${TANDEM_MODEL:-demo} --device cpu --port $${PORT:-8000} $(ARGS)
+	$(VENV)/bin/tandem stack --model $${TANDEM_MODEL:-demo} --device cpu --port $${PORT:-8000} $(DEMO_ARGS) $(ARGS)
 
 test: setup
 	$(PY) -m pytest

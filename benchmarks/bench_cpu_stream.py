@@ -15,9 +15,9 @@ copies the other share over PCIe from the same DRAM. The executor reached 103-10
 H200 host where a plain AVX-512 read reached 125, and ~78-90 beside the copy. Two
 suspects, both measured here on the engine's own memory and kernels:
   - page size: in 4 KiB pages every 64 cache lines cost a page walk (two-level in a VM) and the L2
-    streamer restarts at every page; the banks are now advised to 2 MiB pages (TANDEM_HOST_HUGE_PAGES);
+    streamer restarts at every page; the banks are now advised to 2 MiB pages;
   - memory-level parallelism: prefetcht0 (l1) holds one of ~16 L1 fill buffers per line in flight,
-    prefetcht1 (l2) only an entry of L2's deeper queue (TANDEM_CPU_PREFETCH).
+    prefetcht1 (l2) only an entry of L2's deeper queue (the executor now prefetches 4096:l2).
 
 Per page size one bank of a Qwen3-30B-A3B layer (128 experts, 1.2 GB: larger than L3, ids rotate) in
 ``banks.host_bank`` memory, pinned in place on CUDA. Per prefetch setting, in rounds (every setting
@@ -36,12 +36,11 @@ import sys
 import torch
 from tqdm import tqdm
 
-from services.common.settings import env
 from services.engine.moe.banks import host_page_report
-from services.engine.moe.cpu_executor import build_extension, default_num_threads, stream_prefetch
+from services.engine.moe.cpu_executor import STREAM_PREFETCH, build_extension, default_num_threads, stream_prefetch
 from services.profiler import probes
 
-PAGES = ("huge", "small")  # banks advised to 2 MiB pages or left to the kernel's default (TANDEM_HOST_HUGE_PAGES)
+PAGES = ("huge", "small")  # banks advised to 2 MiB pages or left to the kernel's default
 
 
 def allocate(args: argparse.Namespace, pages: str, cuda: bool) -> probes.ExpertBank:
@@ -72,7 +71,7 @@ def measure(args: argparse.Namespace, pages: str, bank: probes.ExpertBank, cuda:
             if gather is not None:
                 pcie_alone.append(probes.gather_bw(gather, args.seconds))
     finally:
-        ext.set_stream_prefetch(*stream_prefetch(env("TANDEM_CPU_PREFETCH")))
+        ext.set_stream_prefetch(*stream_prefetch(STREAM_PREFETCH))
         kernel.close()
     rows = []
     for setting, got in samples.items():
@@ -102,7 +101,7 @@ def print_table(rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prefetch", default="2048:l1,4096:l1,2048:l2,4096:l2,8192:l2,0",
-                   help="comma-separated TANDEM_CPU_PREFETCH settings to compare, 'BYTES:LEVEL' or 0 "
+                   help="comma-separated stream prefetch settings to compare (the executor uses 4096:l2), 'BYTES:LEVEL' or 0 "
                         "(default: %(default)s)")
     p.add_argument("--pages", default="huge,small", help="host page sizes to compare: huge, small (default: %(default)s)")
     p.add_argument("--experts", type=int, default=128, help="experts in the bank (default: %(default)s)")

@@ -15,8 +15,6 @@ host as the server does:
     hybrid       the engine's own split: cost model, then the tuner (--moe-hybrid-max-fetch -1)
     ...+pP       any of them with the next layer's P likeliest uncached experts copied ahead (--moe-prefetch P)
     ...+tT       cpu/hybrid with T CPU executor workers (--moe-cpu-threads T)
-    ...+wW       cpu/hybrid with the next layer's W likeliest uncached experts per token read into the
-                 CPU's caches between jobs, and kept for the CPU by the split (--moe-cpu-warm W)
     ...+lru      any of them with the LRU cache policy (--moe-cache-policy lru; without it: the engine's default,
                  lfu, or lru with +pP)
     ...+lfu      any of them with the LFU cache policy (--moe-cache-policy lfu; not with +pP)
@@ -61,14 +59,13 @@ class Config:
     max_fetch: int = -1  # --moe-hybrid-max-fetch
     prefetch: int = 0  # --moe-prefetch
     cpu_threads: int = 0  # --moe-cpu-threads (0: the engine's default)
-    warm: int = 0  # --moe-cpu-warm
     policy: str | None = None  # --moe-cache-policy lru | lfu (None: the engine's default)
     lfu_cap: int | None = None  # --moe-cache-lfu-cap (None: the engine's default)
 
 
 def parse_config(config: str) -> Config:
-    """'KIND[:N][+pP][+tT][+wW][+cN][+lru|+lfu]' (KIND offload | cpu | hybrid; :N hybrid's fixed cap; +pP
-    --moe-prefetch P; +tT --moe-cpu-threads T; +wW --moe-cpu-warm W, cpu/hybrid only; +cN
+    """'KIND[:N][+pP][+tT][+cN][+lru|+lfu]' (KIND offload | cpu | hybrid; :N hybrid's fixed cap; +pP
+    --moe-prefetch P; +tT --moe-cpu-threads T; +cN
     --moe-cache-lfu-cap N; +lru / +lfu --moe-cache-policy, lfu not with +pP) -> Config; SystemExit naming a
     bad one."""
     head, *options = config.split("+")
@@ -77,14 +74,14 @@ def parse_config(config: str) -> Config:
     options = [o for o in options if o not in policies]
     flags = {o[:1]: o[1:] for o in options}
     bad = (kind not in ("offload", "cpu", "hybrid") or (cap and (kind != "hybrid" or not cap.isdigit()))
-           or len(flags) != len(options) or any(k not in "ptwc" or not v.isdigit() for k, v in flags.items())
-           or (kind == "offload" and "w" in flags) or len(policies) > 1 or ("lfu" in policies and "p" in flags)
+           or len(flags) != len(options) or any(k not in "ptc" or not v.isdigit() for k, v in flags.items())
+           or len(policies) > 1 or ("lfu" in policies and "p" in flags)
            or not 2 <= int(flags.get("c", 2)) <= LFU_CAP_MAX)
     if bad:
         raise SystemExit(f"bench_hybrid_split: --configs: unknown config {config!r} "
-                         "(offload | cpu | hybrid | hybrid:N, then optional +pP, +tT, +wW (not for offload) "
+                         "(offload | cpu | hybrid | hybrid:N, then optional +pP, +tT, "
                          f"+cN (N in 2..{LFU_CAP_MAX}) and one of +lru, +lfu (lfu not with +pP))")
-    return Config(kind, int(cap) if cap else -1, int(flags.get("p", 0)), int(flags.get("t", 0)), int(flags.get("w", 0)),
+    return Config(kind, int(cap) if cap else -1, int(flags.get("p", 0)), int(flags.get("t", 0)),
                   policies[0] if policies else None, int(flags["c"]) if "c" in flags else None)
 
 
@@ -92,10 +89,10 @@ def build(lm, config: str, num_slots: int):
     """A backend for ``config`` over the loaded banks with num_slots slots."""
     c = parse_config(config)
     cfg = EngineConfig(model=lm.model_id, device=lm.device.type, moe_backend=c.kind, moe_hybrid_max_fetch=c.max_fetch,
-                       moe_prefetch=c.prefetch, moe_cpu_threads=c.cpu_threads, moe_cpu_warm=c.warm,
+                       moe_prefetch=c.prefetch, moe_cpu_threads=c.cpu_threads,
                        moe_cache_policy=c.policy, **({"moe_cache_lfu_cap": c.lfu_cap} if c.lfu_cap else {}))
     ctx = BackendContext(lm.banks, cfg, lm.device, lm.dtype, lm.spec.top_k, lm.model.non_expert_nbytes(),
-                         next_layer_predictors=next_layer_predictors(lm.model) if c.prefetch or c.warm else None)
+                         next_layer_predictors=next_layer_predictors(lm.model) if c.prefetch else None)
     if c.kind == "offload":
         return OffloadBackend(ctx, num_slots=num_slots)
     return HybridBackend(ctx, MoEBackend(c.kind), num_slots=num_slots)
@@ -147,7 +144,6 @@ def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict
             step()
         counts0 = cache_counts(backend)
         poll0 = handoff.poll_stats() if stamps is not None else None
-        warm0 = backend.warm.stats() if getattr(backend, "warm", None) is not None else None
         times, gpu_side, waits, serial = [], [], [], []
         for _ in range(args.tokens):
             t0 = time.perf_counter()
@@ -179,9 +175,6 @@ def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict
                        fetch_fraction=backend.stats()["fetch_fraction"], c_sync_us=backend.c_sync_calibrated * 1e6,
                        tuner=backend.tuner.stats() if backend.tuner is not None else None,
                        executor_error=poll["error"])
-        if warm0 is not None:  # what the CPU read into its caches ahead, per layer; share of warms cut short
-            warm = {k: v - warm0[k] for k, v in backend.warm.stats().items()}
-            row.update(warmed_per_layer=warm["experts"] / layers, warm_cut_short=warm["cut_short"] / max(1, warm["warms"]))
         if args.profile_steps and lm.device.type == "cuda":
             try:
                 row["kernels"] = kernel_profile(step, args.profile_steps)
@@ -231,7 +224,7 @@ def print_kernels(rows: list[dict]) -> None:
 def print_table(rows: list[dict]) -> None:
     cols = [("config", "{}"), ("tok_s", "{:.1f}"), ("ms_per_token", "{:.2f}"), ("ms_p50", "{:.2f}"), ("ms_p99", "{:.2f}"),
             ("misses_per_layer", "{:.2f}"), ("fetched_per_layer", "{:.2f}"), ("prefetched_per_layer", "{:.2f}"),
-            ("cpu_experts_per_layer", "{:.2f}"), ("warmed_per_layer", "{:.2f}"),
+            ("cpu_experts_per_layer", "{:.2f}"),
             ("gpu_side_us", "{:.0f}"), ("wait_us", "{:.0f}"), ("serial_us", "{:.0f}"), ("cpu_job_us", "{:.0f}"),
             ("cpu_gbs", "{:.1f}"), ("fetch_fraction", "{:.3f}")]
     print(" | ".join(f"{c:>12}" for c, _ in cols))
@@ -244,7 +237,6 @@ def print_table(rows: list[dict]) -> None:
 
 SWEPT_OPTIONS = {  # Config field -> the x label of its panel (tok/s against the option, one line per kind)
     "prefetch": "experts of the next layer copied ahead per token (--moe-prefetch P)",
-    "warm": "experts of the next layer read into the CPU's caches per token (--moe-cpu-warm W)",
 }
 
 
@@ -303,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-rate", type=float, default=0.33, help="share of all experts given GPU slots")
     p.add_argument("--configs", default="offload,cpu,hybrid:1,hybrid:2,hybrid:3,hybrid:4,hybrid",
                    help="comma list of offload | cpu | hybrid | hybrid:N, each optionally followed by +pP (prefetch P), "
-                        "+tT (T CPU workers), +wW (CPU cache warm W), +cN (lfu use-count cap N) and +lru or +lfu "
+                        "+tT (T CPU workers), +cN (lfu use-count cap N) and +lru or +lfu "
                         "(cache policy; default: the engine's), e.g. hybrid+p2+t14 (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=128, help="timed decode tokens per config")
     p.add_argument("--warmup", type=int, default=320,

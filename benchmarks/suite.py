@@ -10,7 +10,8 @@ Steps, in order (``--steps`` picks some), each by calling the benchmark that own
     decode     python -m benchmarks.bench_decode_moe: one real `tandem serve` per row, through the OpenAI
                API: the headline rows (resident; hybrid with a third cached; cpu with 1 % cached) and the
                sweep of offload / hybrid / auto over the share cached, each with its bound -> decode.jsonl
-    serving    python -m benchmarks.bench_serving: C identical streams at once -> serving.json
+    serving    python -m benchmarks.bench_serving: C distinct chat streams at once, hybrid with a third cached
+               -> serving.jsonl, serving.png
     resident   python -m benchmarks.bench_resident_decode: resident in one process against HBM (CUDA only)
                -> resident.json
 
@@ -48,7 +49,8 @@ class Scale:
     sweep_rates: str
     concurrency: str
     serving_backend: str
-    serving_args: tuple[str, ...] = ()  # extra `tandem serve` flags of the serving step
+    serving_cache_rate: float
+    serving_prompts: int = 0  # requests per concurrency level; 0 = bench_serving's default, max(8, 2C)
     ceilings_args: tuple[str, ...] = ()
 
 
@@ -57,12 +59,12 @@ SCALES = {
     "full": Scale(model="synthetic:qwen3-30b-a3b?layers=24", device="cuda", dtype="bfloat16", decode_tokens=128,
                   warmup_tokens=384, headline=(("resident", None), ("hybrid", 0.33), ("cpu", 0.01)),
                   sweep_backends="offload,hybrid,auto", sweep_rates="0.2,0.33,0.5", concurrency="1,4,8",
-                  serving_backend="hybrid", serving_args=("--moe-cache-rate", "0.33")),
+                  serving_backend="hybrid", serving_cache_rate=0.33),
     # The same steps on a CPU in minutes: the demo checkpoint, a few tokens (what CI runs).
     "tiny": Scale(model="demo", device="cpu", dtype="float32", decode_tokens=8, warmup_tokens=8,
                   headline=(("resident", None), ("hybrid", 0.5), ("cpu", 0.25)), sweep_backends="",
                   sweep_rates="", concurrency="1,2", ceilings_args=("--buffer-mib", "64", "--reps", "3"),
-                  serving_backend="hybrid", serving_args=("--moe-cache-rate", "0.5")),
+                  serving_backend="hybrid", serving_cache_rate=0.5, serving_prompts=2),
 }
 
 
@@ -80,10 +82,11 @@ def step_commands(scale: Scale, model: str, out: Path, timeout_s: float) -> dict
     return {
         "ceilings": [["benchmarks.ceilings", "--json", str(out / "ceilings.json"), *scale.ceilings_args]],
         "decode": decode_runs,
-        "serving": [["benchmarks.bench_serving", *common, "--concurrency", scale.concurrency, "--graphs", "on",
-                     "--decode-tokens", str(scale.decode_tokens), "--log-dir", str(out / "logs"),
-                     "--json", str(out / "serving.json"), "--moe-backend", scale.serving_backend,
-                     *(f"--server-arg={a}" for a in scale.serving_args)]],
+        "serving": [["benchmarks.bench_serving", *common, "--backend", scale.serving_backend,
+                     "--cache-rate", str(scale.serving_cache_rate), "--concurrency", scale.concurrency,
+                     "--output-tokens", str(scale.decode_tokens), "--num-prompts", str(scale.serving_prompts),
+                     "--log-dir", str(out / "logs"), "--json", str(out / "serving.jsonl"),
+                     "--plot", str(out / "serving.png")]],
         "resident": [["benchmarks.bench_resident_decode", "--model", model, "--tokens", str(scale.decode_tokens),
                       "--json", str(out / "resident.json")]],
     }
@@ -127,7 +130,7 @@ def read_rows(out: Path) -> dict:
         return json.loads(path.read_text())
 
     return {"ceilings": load("ceilings.json"), "decode": load("decode.jsonl") or [],
-            "serving": load("serving.json") or [], "resident": load("resident.json")}
+            "serving": load("serving.jsonl") or [], "resident": load("resident.json")}
 
 
 def _fmt(value, digits: int = 1) -> str:
@@ -170,14 +173,15 @@ def markdown(scale: Scale, model: str, results: dict, commands: dict[str, list[s
         cached = "all" if r.get("cache_rate") is None else f"{100 * r['cache_rate']:g} %"
         lines.append(f"| {r['backend']} | {cached} | {_fmt(r['decode_tok_s'])} | {_fmt(r.get('ttft_ms'), 0)} | "
                      f"{_fmt(r.get('miss_rate'), 3)} | {_fmt(r.get('bound_tok_s'))} | {_fmt(r.get('bound_ratio'), 2)} |")
-    lines += ["", "## Under concurrency", "", "| streams | total tok/s | per stream tok/s | TTFT ms | identical |",
-              "|---|---|---|---|---|"]
+    lines += ["", f"## Under concurrency ({scale.serving_backend}, {100 * scale.serving_cache_rate:g} % cached)", "",
+              "| streams | total tok/s | per stream tok/s | TTFT p50 ms | ITL p50 ms | same text as alone |",
+              "|---|---|---|---|---|---|"]
     for r in results["serving"]:
-        if "error" in r:
-            lines.append(f"| failed: {r['error'][:80]} | | | | |")
-        else:
+        if not r.get("ok"):
+            lines.append(f"| failed: {str(r.get('error', ''))[:80]} | | | | | |")
+        elif r.get("mode") == "concurrency":
             lines.append(f"| {r['concurrency']} | {_fmt(r['total_tok_s'])} | {_fmt(r['stream_tok_s_mean'])} | "
-                         f"{_fmt(r['ttft_ms_mean'], 0)} | {r['identical']} |")
+                         f"{_fmt(r['ttft_ms_p50'], 0)} | {_fmt(r['itl_ms_p50'])} | {_fmt(r.get('matches_solo'), 2)} |")
     lines += ["", "## Ceilings", "", "| ceiling | value |", "|---|---|"]
     lines += [f"| {k} | {_fmt(v)} |" for k, v in ceilings.items() if isinstance(v, float)]
     lines += ["", "## Commands", ""]

@@ -9,9 +9,6 @@ Dimension legend: T tokens · D hidden.
   memory: one kernel node per layer instead of three copy nodes and a kernel (each node ~2-3 us of
   latency on the GPU's timeline, in series with the CPU's work).
 - ``signal_cpu``: the word alone, for inputs the stream already copied down.
-- ``post_warm``: the next layer's experts for the CPU to read into its caches once its current job is
-  done (services/engine/moe/cpu_warm.py): into a device row (the next split reads it) and a pinned row
-  [seq, n, ids] of the executor's warm table, the ids fenced before the seq that makes the row valid.
 - ``wait_cpu_add``: polls the host done word until it reaches seq, then out = part + cpu_out (cpu_out
   [T, D] fp32 read from pinned memory with volatile loads: never a stale cached line of an earlier layer).
   A bounded poll (``max_polls``) turns a lost CPU job into NaNs instead of a hung GPU.
@@ -113,35 +110,8 @@ def _kernels():
             tl.store(stamps_ptr + layer * 3, _now())
         tl.store(job_ptr, (seq << 20) | code)
 
-    @triton.jit
-    def _post_warm_kernel(seq_ptr, picked_ptr, n, row_ptr, host_ptr, K, HOST: tl.constexpr, GPU: tl.constexpr,
-                          BLOCK: tl.constexpr):
-        k = tl.arange(0, BLOCK)
-        ids = tl.load(picked_ptr + k, mask=k < n, other=-1)
-        tl.store(row_ptr + k, ids, mask=k < K)
-        if HOST:
-            tl.store(host_ptr + 2 + k, ids, mask=k < K)
-            tl.store(host_ptr + 1, tl.minimum(n, K).to(tl.int64))
-            if GPU:
-                tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-                tl.debug_barrier()
-            tl.store(host_ptr, tl.load(seq_ptr))
-
-    _KERNELS = (_signal_kernel, _wait_add_kernel, _stage_signal_kernel, _post_warm_kernel)
+    _KERNELS = (_signal_kernel, _wait_add_kernel, _stage_signal_kernel)
     return _KERNELS
-
-
-def post_warm(seq: torch.Tensor, picked: torch.Tensor, row: torch.Tensor, host_row: torch.Tensor | None) -> None:
-    """picked [T, W] int64 expert ids (-1 = none) -> row [K] (device; -1 past T*W) and, if given, the pinned
-    ``host_row`` [2 + K] = [seq, n, ids], the ids fenced before the current seq [1] (device) is stored.
-    One single-program launch."""
-    post = _kernels()[3]
-    K = row.numel()
-    if host_row is not None and host_row.numel() != K + 2:
-        raise ValueError(f"post_warm: host row of {host_row.numel()} words for {K} ids (needs {K + 2})")
-    post[(1,)](seq, picked.contiguous(), picked.numel(), row, host_arg(post, host_row) if host_row is not None else row,
-               K, HOST=host_row is not None, GPU=type(post).__name__ != "InterpretedFunction",
-               BLOCK=triton.next_power_of_2(max(K, picked.numel(), 2)))
 
 
 def signal_cpu(seq: torch.Tensor, job_word: torch.Tensor, layer: int, T: int, stamps: torch.Tensor | None = None) -> None:

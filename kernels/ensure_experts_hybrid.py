@@ -9,10 +9,8 @@ One call for one layer (decode: no chunks — every miss is either fetched or co
      fraction (no host round trip, graph-capturable): lo = floor(M·f), F = lo or lo+1, whichever has the
      smaller max(F·(1-f), (M-F)·f); then F = min(F, max_fetch) if max_fetch >= 0 and F <= S - hits
      (free slots). The fetched misses are the F with the *lowest expert ids* (deterministic), or with
-     ``lfu`` (--moe-cache-policy lfu) the F routed to most often so far (``uses``; ties to the lower id) —
-     except that with ``warm_ids`` (the experts of this layer the CPU was asked to read into its caches
-     ahead, services/engine/moe/cpu_warm.py) the misses not in it are fetched first and the warmed ones
-     kept for the CPU, in that order within each group. Every present expert then counts one use. Outputs:
+     ``lfu`` (--moe-cache-policy lfu) the F routed to most often so far (``uses``; ties to the lower id).
+     Every present expert then counts one use. Outputs:
      ``gpu_ids`` = topk_ids with the CPU's routes set to -1, ``cpu_ids`` = the CPU's expert ids, else -1;
      the layer's ``misses`` counter gets the unfetched M-F (so misses counts all M, uncapped);
   2. ensure_experts (kernels/ensure_experts.py, reused as is, its use count off) on ``gpu_ids``: hits keep
@@ -36,11 +34,8 @@ Q16 = 1 << 16
 
 
 def _check_split(state: CacheState, layer: int, topk_ids: torch.Tensor, f_q16: torch.Tensor,
-                 warm_ids: torch.Tensor | None = None, use_cap: int = USE_CAP) -> None:
+                 use_cap: int = USE_CAP) -> None:
     _check(state, layer, topk_ids, 0, use_cap)
-    if warm_ids is not None and (warm_ids.dim() != 1 or warm_ids.dtype != torch.int64 or warm_ids.device != topk_ids.device):
-        raise ValueError(f"ensure_experts_hybrid: warm_ids must be an int64 [K] tensor on {topk_ids.device}, got "
-                         f"{tuple(warm_ids.shape)} {warm_ids.dtype} on {warm_ids.device}")
     # on a GPU f_q16 may also live in pinned host memory (read through UVA): the host then updates it
     # with a plain store, no CUDA call (safe while another thread captures a graph)
     where_ok = f_q16.device == topk_ids.device or (f_q16.device.type == "cpu" and f_q16.is_pinned())
@@ -55,11 +50,11 @@ def _check_split(state: CacheState, layer: int, topk_ids: torch.Tensor, f_q16: t
 
 
 def split_misses_reference(state: CacheState, layer: int, topk_ids: torch.Tensor, f_q16: torch.Tensor,
-                           max_fetch: int = -1, warm_ids: torch.Tensor | None = None,
-                           lfu: bool = False, use_cap: int = USE_CAP) -> tuple[torch.Tensor, torch.Tensor]:
+                           max_fetch: int = -1, lfu: bool = False,
+                           use_cap: int = USE_CAP) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 1 of the module docstring: topk_ids [T, A] -> (gpu_ids [T, A], cpu_ids [T, A]) int64;
-    adds the unfetched misses to ``state.misses[layer]``. warm_ids [K] (-1 = none): kept for the CPU."""
-    _check_split(state, layer, topk_ids, f_q16, warm_ids, use_cap)
+    adds the unfetched misses to ``state.misses[layer]``."""
+    _check_split(state, layer, topk_ids, f_q16, use_cap)
     E, S = state.num_experts, state.num_slots
     ids = topk_ids.reshape(-1).long()  # [N]
     valid = (ids >= 0) & (ids < E)
@@ -73,17 +68,12 @@ def split_misses_reference(state: CacheState, layer: int, topk_ids: torch.Tensor
     F = min(F, M, S - n_hit)
     if max_fetch >= 0:
         F = min(F, max_fetch)
-    warm = torch.zeros(E, dtype=torch.bool, device=ids.device)
-    if warm_ids is not None:
-        w = warm_ids[(warm_ids >= 0) & (warm_ids < E)]
-        warm[w] = True
-    cold, hot = (miss & ~warm).long(), (miss & warm).long()
-    if lfu:  # [E] rank among misses: cold first, then warmed; the most used, then the lowest id, first
-        order = (warm.long() * (USE_CAP + 1) + USE_CAP - state.uses[layer * E: (layer + 1) * E].long()) * E
-        order = order + torch.arange(E, device=ids.device)
+    if lfu:  # [E] rank among misses: the most used, then the lowest id, first
+        order = (USE_CAP - state.uses[layer * E: (layer + 1) * E].long()) * E + torch.arange(E, device=ids.device)
         miss_rank = ((order[None, :] < order[:, None]) & miss[None, :]).sum(1)
-    else:  # [E] rank among misses: the cold ones first, then the warmed ones, ascending id within each
-        miss_rank = torch.where(warm, torch.cumsum(hot, 0) - hot + int(cold.sum()), torch.cumsum(cold, 0) - cold)
+    else:  # [E] rank among misses: ascending id
+        missed = miss.long()
+        miss_rank = torch.cumsum(missed, 0) - missed
     on_cpu = miss & (miss_rank >= F)  # [E]
     route_cpu = valid & on_cpu[ids.clamp(0, E - 1)]  # [N]
     minus = torch.full_like(ids, -1)
@@ -95,10 +85,10 @@ def split_misses_reference(state: CacheState, layer: int, topk_ids: torch.Tensor
 
 
 def ensure_experts_hybrid_reference(state: CacheState, layer: int, topk_ids: torch.Tensor, f_q16: torch.Tensor,
-                                    max_fetch: int = -1, warm_ids: torch.Tensor | None = None, lfu: bool = False,
+                                    max_fetch: int = -1, lfu: bool = False,
                                     use_cap: int = USE_CAP) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch twin of :func:`ensure_experts_hybrid` (same arguments, same results bit for bit)."""
-    gpu_ids, cpu_ids = split_misses_reference(state, layer, topk_ids, f_q16, max_fetch, warm_ids, lfu, use_cap)
+    gpu_ids, cpu_ids = split_misses_reference(state, layer, topk_ids, f_q16, max_fetch, lfu, use_cap)
     slot_ids = torch.empty(topk_ids.shape, dtype=torch.int64, device=topk_ids.device)
     ensure_experts_reference(state, layer, gpu_ids, slot_ids, lfu=lfu, count_uses=False, use_cap=use_cap)
     return slot_ids, cpu_ids
@@ -124,12 +114,11 @@ def _split_kernel():
         # cache tables (read) and counters (accumulated)
         slot_of_id_ptr, misses_ptr, work_ptr, uses_ptr,
         # this call: routes in, the two route sets out, the Q16 fraction
-        topk_ids_ptr, gpu_ids_ptr, cpu_ids_ptr, f_q16_ptr, warm_ptr,
-        # sizes (K: warm ids, 0 = none)
-        layer, N, E, S, max_fetch, K, n_uses,
+        topk_ids_ptr, gpu_ids_ptr, cpu_ids_ptr, f_q16_ptr,
+        # sizes
+        layer, N, E, S, max_fetch, n_uses,
         # meta-parameters
-        BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, LFU: tl.constexpr,
-        USE_CAP: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, LFU: tl.constexpr, USE_CAP: tl.constexpr,
     ):
         base = layer * E
         e_idx = tl.arange(0, BLOCK_E)
@@ -148,19 +137,14 @@ def _split_kernel():
         F = tl.where(cost_lo <= cost_hi, lo, lo + 1)
         F = tl.minimum(tl.minimum(F, M), S - n_hit)
         F = tl.where(max_fetch >= 0, tl.minimum(F, max_fetch), F)
-        k_idx = tl.arange(0, BLOCK_K)
-        wids = tl.load(warm_ptr + k_idx, mask=k_idx < K, other=-1)
-        warm = tl.sum((e_idx[:, None] == wids[None, :]).to(tl.int32), axis=1) > 0  # [BLOCK_E]
-        cold = (miss & (warm == 0)).to(tl.int32)
-        hot = (miss & warm).to(tl.int32)
-        if LFU:  # rank among misses: cold first, then warmed; the most used, then the lowest id, first
+        if LFU:  # rank among misses: the most used, then the lowest id, first
             used = tl.load(uses_ptr + base + e_idx, mask=e_mask, other=0).to(tl.int64)
-            order = (warm.to(tl.int64) * (USE_CAP + 1) + USE_CAP - used) * E + e_idx
+            order = (USE_CAP - used) * E + e_idx
             before = (order[None, :] < order[:, None]) & miss[None, :]  # [BLOCK_E, BLOCK_E]
             miss_rank = tl.sum(before.to(tl.int32), axis=1)
-        else:  # rank among misses: the cold ones first (fetched first), then the warmed, ascending id within each
-            miss_rank = tl.where(warm, tl.cumsum(hot, axis=0) - hot + tl.sum(cold, axis=0),
-                                 tl.cumsum(cold, axis=0) - cold)
+        else:  # rank among misses: ascending id
+            missed = miss.to(tl.int32)
+            miss_rank = tl.cumsum(missed, axis=0) - missed
         on_cpu = miss & (miss_rank >= F)
         tl.store(work_ptr + e_idx, on_cpu.to(tl.int32), mask=e_mask)
         tl.debug_barrier()
@@ -179,16 +163,15 @@ def _split_kernel():
 
 
 def ensure_experts_hybrid(state: CacheState, layer: int, topk_ids: torch.Tensor, f_q16: torch.Tensor,
-                          max_fetch: int = -1, warm_ids: torch.Tensor | None = None,
-                          lfu: bool = False, use_cap: int = USE_CAP) -> tuple[torch.Tensor, torch.Tensor]:
+                          max_fetch: int = -1, lfu: bool = False,
+                          use_cap: int = USE_CAP) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher. topk_ids [T, A] expert ids of ``layer`` (-1 = skip) · f_q16 [1] int32 on the device
     (Q16 fetch fraction) · max_fetch (-1 = no cap, 0 = every miss on the CPU) -> (slot_ids [T, A] int64: the
     GPU slot of each hit/fetched route else -1, cpu_ids [T, A] int64: the expert of each CPU route else
-    -1) · warm_ids [K] int64 (-1 = none): experts the CPU has read ahead, kept for it (module docstring).
-    ``state`` is updated in place; the copy jobs are those of the fetched misses."""
+    -1). ``state`` is updated in place; the copy jobs are those of the fetched misses."""
     from kernels.ensure_experts import ensure_experts
 
-    _check_split(state, layer, topk_ids, f_q16, warm_ids, use_cap)
+    _check_split(state, layer, topk_ids, f_q16, use_cap)
     kernel = _split_kernel()
     T, A = topk_ids.shape
     ids = topk_ids.contiguous()
@@ -200,10 +183,8 @@ def ensure_experts_hybrid(state: CacheState, layer: int, topk_ids: torch.Tensor,
     kernel[(1,)](
         state.slot_of_id, state.misses, state.work, state.uses,
         ids, gpu_ids, cpu_ids, host_arg(kernel, f_q16) if f_q16.device != ids.device else f_q16,
-        warm_ids if warm_ids is not None else ids,
-        layer, N, E, state.num_slots, max_fetch, warm_ids.numel() if warm_ids is not None else 0, state.uses.numel(),
-        BLOCK_N=min(1024, triton.next_power_of_2(N)), BLOCK_E=triton.next_power_of_2(E),
-        BLOCK_K=triton.next_power_of_2(max(warm_ids.numel() if warm_ids is not None else 1, 1)), LFU=lfu,
+        layer, N, E, state.num_slots, max_fetch, state.uses.numel(),
+        BLOCK_N=min(1024, triton.next_power_of_2(N)), BLOCK_E=triton.next_power_of_2(E), LFU=lfu,
         USE_CAP=use_cap,  # the miss ranking only needs it above every count, which it is
     )
     slot_ids = torch.empty((T, A), dtype=torch.int64, device=ids.device)

@@ -3,7 +3,7 @@
 Dimension legend: L MoE layers · E experts per layer · S slots · NB banks per expert (bf16: gate_up, down) ·
 J job capacity (C of the cache) · n jobs recorded (job_count, known only on the device).
 
-Two implementations, selected by TANDEM_COPY_MODE (read by the cache):
+Two implementations (the cache uses the fused one; `tandem bench cache-copy` compares them):
 - ``fused``: ONE Triton launch for all jobs and all banks. Programs ``(job, bank, chunk)`` read pinned host
   memory through its UVA device pointer and write the slot; programs of jobs >= job_count do nothing, so
   the launch has a fixed grid and no host round trip (capturable in a CUDA graph). Per-bank launches cost

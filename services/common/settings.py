@@ -43,14 +43,10 @@ ENV: dict[str, EnvVar] = {
         EnvVar("TANDEM_ENGINE_TOKEN", "", "Bearer token of the engine's internal API (/engine/v1), sent by the gateway; empty = no token (keep the engine on loopback)"),
         EnvVar("TANDEM_ENGINES", "http://127.0.0.1:8001", "comma-separated engine URLs behind the gateway"),
         EnvVar("TANDEM_LOG_LEVEL", "INFO", "log level of every service"),
-        EnvVar("TANDEM_COPY_MODE", "fused", "copy_missing implementation: 'fused' (one launch) or 'per-bank' (A/B)"),
         EnvVar("TANDEM_EXT_DIR", "", "where the CPU executor's C++ extension is built; empty = $XDG_CACHE_HOME/tandem/ext"),
-        EnvVar("TANDEM_HYBRID_GRAPHS", "1", "cpu/hybrid backends on CUDA: '1' = graph-capturable CPU handoff (device-side flags; decode replays CUDA graphs), '0' = eager handoff (no decode graphs)"),
         EnvVar("TANDEM_DEMO_DIR", "", "where `--model demo` writes its checkpoint; empty = $XDG_CACHE_HOME/tandem/demo"),
-        EnvVar("TANDEM_HOST_HUGE_PAGES", "1", "host expert banks: '1' = advise transparent huge pages (2 MiB) before first touch, '0' = the kernel's default pages (A/B)"),
-        EnvVar("TANDEM_CPU_PREFETCH", "4096:l2", "CPU executor's software prefetch into its weight stream: 'BYTES:LEVEL' ahead (LEVEL l1, l2 or nta), '0' = off (A/B)"),
-        EnvVar("TANDEM_CPU_CONFINE", "1", "cpu/hybrid on CUDA: '1' = the process's threads other than the CPU executor's workers run on the cores no worker is pinned to, '0' = anywhere (A/B)"),
-        EnvVar("TANDEM_CUDA_GRAPHS", "1", "0 = run decode steps eagerly on CUDA (no graph capture; for A/B and debugging)"),
+        EnvVar("TANDEM_CUDA_GRAPHS", "1", "0 = decode steps run eagerly on CUDA instead of replaying CUDA graphs: to debug a "
+               "capture problem; several times slower per token"),
         EnvVar("TANDEM_WORKER_METRICS_PORT", "9101", "profiler worker's Prometheus port (0 = off)"),
         EnvVar("TANDEM_PROFILER_QUEUE", "", "profiler worker's own queue (one per GPU host); empty = tandem.profiler.<hostname>"),
     )

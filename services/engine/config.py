@@ -73,9 +73,6 @@ class EngineConfig:
     moe_prefetch: int = field(0, help="offload/hybrid: most experts per token copied ahead for the next layer while this "
                                       "one computes: the likeliest uncached ones of its routing as predicted by its "
                                       "router on this layer's input (at most top-k); 0 = off")
-    moe_cpu_warm: int = field(0, help="cpu/hybrid: most experts per token of the next layer the CPU reads into its caches "
-                                      "while only the GPU works (its likeliest uncached ones, predicted as for "
-                                      "--moe-prefetch); the split then keeps them for the CPU; 0 = off")
     decode_overlap: DecodeOverlap = field(DecodeOverlap.AUTO, help="launch each decode step before the host reads the "
                                           "previous step's tokens (they feed the next step on the device), so stop "
                                           "checks, streaming and HTTP run while the GPU computes: auto = when the step "
@@ -120,8 +117,6 @@ class EngineConfig:
             raise ValueError(f"--moe-cpu-threads must be 0 (one per physical core) or positive, got {self.moe_cpu_threads}")
         if self.moe_prefetch < 0:
             raise ValueError(f"--moe-prefetch must be 0 (off) or positive, got {self.moe_prefetch}")
-        if self.moe_cpu_warm < 0:
-            raise ValueError(f"--moe-cpu-warm must be 0 (off) or positive, got {self.moe_cpu_warm}")
         if self.gpu_memory_limit is not None and self.gpu_memory_limit <= 0:
             raise ValueError(f"--gpu-memory-limit must be positive GiB, got {self.gpu_memory_limit}")
         if self.max_prefill_tokens is not None and self.max_prefill_tokens <= 0:

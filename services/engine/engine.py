@@ -84,7 +84,17 @@ class RequestStream:
 
 
 class Engine:
-    """Owns the model thread. ``start()`` returns at once; ``health()`` reports the loading progress."""
+    """Owns the model thread. ``start()`` returns at once; ``health()`` reports the loading progress.
+
+    Why one class (~400 lines) and not one per responsibility (lifecycle, step loop, API side, reports):
+    the four meet in the one piece of state that makes the engine thread-safe, the inbox under ``_cond``
+    that only the model thread drains. ``submit``/``abort``/``call`` append to it, the step loop drains
+    it between steps, loading and reloading switch ``maintenance`` under it, and the reports read the
+    device through ``call``. Split into classes, each would hold a reference to that inbox and to the
+    others' state, and the rule "the model, the KV cache and the scheduler are touched by the model
+    thread alone" would no longer be visible in one place. What does not touch it already lives apart:
+    scheduling (runtime/scheduler.py), the forward and graphs (runtime/runner.py), the stats' shape
+    (reports.py), metrics (metrics.py), the HTTP side (api.py)."""
 
     def __init__(self, config: EngineConfig, load: Callable[..., Any] | None = None,
                  on_ready: Callable[[], None] | None = None):

@@ -19,7 +19,6 @@ sit one level down in a nested dict, e.g. the offload backend's ``{"backend": ..
     bytes_fetched         bytes copied host->GPU for expert misses
     prefetched            next-layer experts copied host->GPU ahead of their routing (--moe-prefetch); the
                           ones that were right are then hits, so misses and fetched no longer count them
-    cpu_warmed            next-layer experts the CPU read into its caches between jobs (--moe-cpu-warm)
     worker_preemptions    times the kernel took a CPU executor worker's core (cpu, hybrid)
   per MoE layer (optional): "per_layer": {"hits": [L], "misses": [L], "fetched": [L], "cpu_computed": [L]}
     -- a list given there replaces the total for that key (label layer="0".."L-1"; else layer="all")
@@ -54,9 +53,6 @@ EXPERT_FETCHED_BYTES = Counter("tandem_expert_fetched_bytes_total",
                                "Bytes of expert weights copied host->GPU for cache misses.", _M)
 EXPERT_PREFETCHED = Counter("tandem_expert_prefetched_total",
                             "Experts of the next MoE layer copied host->GPU ahead of its routing (--moe-prefetch).",
-                            _M)
-EXPERT_CPU_WARMED = Counter("tandem_expert_cpu_warmed_total",
-                            "Experts of the next MoE layer the CPU read into its caches between jobs (--moe-cpu-warm).",
                             _M)
 CPU_WORKER_PREEMPTIONS = Counter("tandem_cpu_worker_preemptions_total",
                                  "Times the kernel took a CPU executor worker's core (cpu, hybrid): each stalls that "
@@ -100,7 +96,6 @@ _BACKEND_COUNTERS: dict[str, tuple[Counter, bool]] = {
     "cpu_computed": (EXPERT_CPU_COMPUTED, True),
     "bytes_fetched": (EXPERT_FETCHED_BYTES, False),
     "prefetched": (EXPERT_PREFETCHED, False),
-    "cpu_warmed": (EXPERT_CPU_WARMED, False),
     "worker_preemptions": (CPU_WORKER_PREEMPTIONS, False),
 }
 

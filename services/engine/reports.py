@@ -24,8 +24,6 @@ def flat_backend_stats(raw: dict) -> dict:
         out.setdefault("cpu_bytes_per_second", bw.get("cpu"))
     if isinstance(raw.get("prefetch"), dict):  # --moe-prefetch: experts copied ahead, a counter like fetched
         out.setdefault("prefetched", raw["prefetch"]["prefetched"])
-    if isinstance(raw.get("cpu_warm"), dict):  # --moe-cpu-warm: experts read into the CPU's caches ahead
-        out.setdefault("cpu_warmed", raw["cpu_warm"]["experts"])
     return out
 
 

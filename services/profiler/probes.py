@@ -91,7 +91,7 @@ class ExpertBank:
         return self.gate_up[0].nbytes + self.down[0].nbytes
 
 
-def make_bank(E: int, D: int, I: int, dtype: torch.dtype, pin: bool, huge_pages: bool | None = None) -> ExpertBank:
+def make_bank(E: int, D: int, I: int, dtype: torch.dtype, pin: bool, huge_pages: bool = True) -> ExpertBank:
     """A bank in the memory the engine's host banks live in (banks.host_bank: huge pages unless
     ``huge_pages`` is False, pinned in place)."""
     gate_up = host_bank((E, 2 * I, D), dtype, huge_pages).normal_(0, 0.02)  # [E, 2I, D]
@@ -316,12 +316,12 @@ def _median_seconds(fn: Callable[[], None], seconds: float, min_samples: int = 5
 def c_sync(kernel: CpuKernel, hidden: int, device: int | None, seconds: float) -> float:
     """Seconds per layer the hybrid path pays to hand work to the CPU and get it back, with no work
     (all ids -1): with the executor on a GPU, the eager handoff's fixed cost inside a layer loop
-    (benchmarks/bench_cpu_executor.py measure_c_sync_eager: loop with the handoff minus loop without,
+    (handoff_cost.measure_c_sync_eager: loop with the handoff minus loop without,
     so the GPU's own latency hidden by the pipeline is not counted); with the executor alone, submit +
-    wait; else a Python thread round trip (+ small D2H/H2D on a GPU, as syncprobe.py measures)."""
+    wait; else a Python thread round trip (+ small D2H/H2D on a GPU, as benchmarks/ceilings.py's handoff_us)."""
     dtype, A = kernel.bank.gate_up.dtype, kernel.A
     if kernel.executor is not None and device is not None:
-        from benchmarks.bench_cpu_executor import measure_c_sync_eager
+        from services.profiler.handoff_cost import measure_c_sync_eager
 
         with torch.cuda.device(device):
             res = measure_c_sync_eager(kernel.executor, hidden, A, dtype, fast=True, reps=max(5, int(seconds * 20)))

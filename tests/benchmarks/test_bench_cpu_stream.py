@@ -39,7 +39,7 @@ def test_allocations_measure_each_bank(tmp_path):
     assert all(r["alone_median_gbs"] > 0 for r in rows)
 
 
-@pytest.mark.parametrize("args, named", [(["--prefetch", "fast"], "TANDEM_CPU_PREFETCH"),
+@pytest.mark.parametrize("args, named", [(["--prefetch", "fast"], "stream prefetch"),
                                          (["--pages", "giant"], "--pages"),
                                          (["--allocations", "0"], "--allocations")])
 def test_bad_settings_are_named(args, named, capsys):

@@ -32,11 +32,13 @@ def test_tiny_suite_writes_every_output(tmp_path):
     rows = [json.loads(line) for line in (out / "decode.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all(r["ok"] for r in rows)
     assert len({r["output_sha1"] for r in rows}) >= 1
-    serving = json.loads((out / "serving.json").read_text())
-    assert [r["concurrency"] for r in serving] == [1, 2] and all(r["identical"] for r in serving)
+    serving = [json.loads(line) for line in (out / "serving.jsonl").read_text().splitlines()]
+    assert [r["concurrency"] for r in serving] == [1, 2] and all(r["ok"] and not r["errors"] for r in serving)
+    assert (out / "serving.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (out / "table.md").read_text()
     assert "| resident | all |" in table and "| cpu | 25 % |" in table and "## Commands" in table
+    assert "\n| 2 | " in table  # the concurrency table's second level
     assert "benchmarks.bench_decode_moe" in table and "bench_resident_decode" not in table  # skipped, not shown
 
 

@@ -42,14 +42,13 @@ def test_backend_stats_become_counter_increments():
     # The offload backend nests the cache's counters: {"backend": "offload", "cache": {...}}.
     metrics.record_backend_stats({"backend": "hybrid", "cache": {"hits": 15, "misses": 9, "fetched": 6,
                                                                  "bytes_fetched": 6144}, "cpu_computed": 3,
-                                  "prefetched": 5, "cpu_warmed": 4, "cpu_executor": {"worker_preemptions": 7}})
+                                  "prefetched": 5, "cpu_executor": {"worker_preemptions": 7}})
     assert value("tandem_expert_hits_total", model_name=model, layer="all") == 15
     assert value("tandem_expert_misses_total", model_name=model, layer="all") == 9
     assert value("tandem_expert_fetched_total", model_name=model, layer="all") == 6
     assert value("tandem_expert_cpu_computed_total", model_name=model, layer="all") == 3
     assert value("tandem_expert_fetched_bytes_total", model_name=model) == 6144
     assert value("tandem_expert_prefetched_total", model_name=model) == 5
-    assert value("tandem_expert_cpu_warmed_total", model_name=model) == 4
     assert value("tandem_cpu_worker_preemptions_total", model_name=model) == 7  # hybrid's cpu_executor dict
     assert value("tandem_hybrid_fetch_fraction", model_name=model) == pytest.approx(0.66)
     assert value("tandem_bandwidth_bytes_per_second", model_name=model, path="cpu") == 7e10

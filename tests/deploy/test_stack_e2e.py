@@ -17,16 +17,16 @@ import pytest
 
 from services.local_stack import Stack, StackConfig
 from tests.deploy.net import free_ports
-from tests.deploy.promql import panel_queries
+from tests.deploy.promql import REPO, dashboard_panels, panel_queries
 
 pytestmark = pytest.mark.slow
 
 ADMIN_TOKEN = "e2e-admin-token"
 # hybrid: the only backend that feeds every expert panel (fetched and CPU-computed misses, f,
-# bandwidths, c_sync), with the next layer read ahead both ways (prefetch, CPU warm) for their panel.
+# bandwidths, c_sync), with the next layer's experts prefetched for the read-ahead panel.
 # Half the experts cached, so both hits and misses happen.
 ENGINE_ARGS = ["--moe-backend", "hybrid", "--moe-cache-rate", "0.5", "--max-running-requests", "4",
-               "--moe-prefetch", "1", "--moe-cpu-warm", "2"]
+               "--moe-prefetch", "1"]
 # A quick CPU-only profile: the worker runs `tandem bench bw` with these flags.
 PROFILE_REQUEST = {"kind": "bw", "seconds": 0.2, "buffer_mib": 32}
 RATE_INTERVAL = "10m"  # covers the whole test, so each rate() spans all of its traffic
@@ -226,3 +226,19 @@ def test_alert_rules_are_loaded_and_quiet(stack):
     assert len(rules) >= 6 and all(r["health"] == "ok" for r in rules), rules
     firing = [r["name"] for r in rules if r["state"] == "firing"]
     assert not firing, firing
+
+
+def test_the_readme_picture_renders_every_panel_from_prometheus(stack, traffic, profile_job, tmp_path):
+    """deploy/grafana/render_panels.py (the README's picture of the dashboard) draws each panel from the
+    same Prometheus: every panel has a series with data, and the PNG is written."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("render_panels", REPO / "deploy" / "grafana" / "render_panels.py")
+    render_panels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render_panels)
+    png = tmp_path / "dashboard.png"
+    counts = render_panels.render(f"http://127.0.0.1:{stack.config.prometheus_port}", png, minutes=10,
+                                  rate_interval=RATE_INTERVAL)
+    assert len(counts) == len(dashboard_panels())
+    assert [title for title, n in counts.items() if n == 0] == []
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

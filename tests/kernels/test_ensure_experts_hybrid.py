@@ -125,51 +125,20 @@ def test_rejects_a_host_fraction(device):
                                         torch.tensor([0.5]))
 
 
-@pytest.mark.parametrize("f_q16", FRACTIONS)
-def test_warmed_misses_stay_on_the_cpu(f_q16, device):
-    """With warm_ids (what the CPU read into its caches ahead) the misses not warmed are fetched first and
-    the warmed ones kept for the CPU; kernel == reference bit for bit, ids repeated, -1 or absent ignored."""
-    L, E, S, T, A = 2, 32, 24, 3, 6
-    gen = torch.Generator().manual_seed(7 + f_q16)
-    state = random_state(L, E, S, 8, device, gen)
-    ref = state.clone()
-    layer = 0
-    ids = routes(T, A, E, gen, device, drop=0.0)
-    cached = ref.slot_of_id[layer * E:(layer + 1) * E].cpu()
-    misses = sorted(e for e in set(ids.flatten().tolist()) if cached[e] < 0)
-    warmed = misses[::2] + [misses[0]]  # every other miss (ascending, so not the lowest-id rule), one twice
-    absent = next(e for e in range(E) if e not in set(ids.flatten().tolist()))
-    warm_ids = torch.tensor(warmed + [-1, absent, -1], dtype=torch.int64, device=device)
-    before = ref.clone()
-    got = ensure_experts_hybrid(state, layer, ids, q16(f_q16, device), -1, warm_ids)
-    want = ensure_experts_hybrid_reference(ref, layer, ids, q16(f_q16, device), -1, warm_ids)
-    assert all(torch.equal(g.cpu(), w.cpu()) for g, w in zip(got, want))
-    assert_same(state, ref)
-    F = int(ref.fetched[layer] - before.fetched[layer])
-    assert F == min(fetch_count_q16(len(misses), f_q16, -1), S - (len(set(ids.flatten().tolist())) - len(misses)))
-    order = [e for e in misses if e not in warmed] + sorted(set(warmed))  # fetch order: cold first
-    cpu = want[1].cpu()
-    assert sorted(set(cpu[cpu >= 0].tolist())) == sorted(order[F:])
-    assert ref.job_src[: int(ref.job_count[0])].cpu().tolist() == [layer * E + e for e in sorted(order[:F])]
-
-
-@pytest.mark.parametrize("warmed", [False, True])
-def test_lfu_fetches_the_most_used_misses(warmed, device):
-    """lfu: of a step's misses the most used are fetched (ties: lowest id), the rest go to the CPU; a warmed
-    miss still stays on the CPU whatever its count; every present expert counts one use; kernel ==
-    reference."""
+def test_lfu_fetches_the_most_used_misses(device):
+    """lfu: of a step's misses the most used are fetched (ties: lowest id), the rest go to the CPU; every
+    present expert counts one use; kernel == reference."""
     E, S = 8, 8
     state = CacheState.allocate(1, E, S, device)
     state.uses[:] = torch.tensor([0, 5, 2, 9, 5, 0, 0, 0], dtype=torch.int32, device=device)
     ref = state.clone()
     ids = torch.tensor([[0, 1, 2, 3, 4]], device=device)  # all miss; uses 0, 5, 2, 9, 5
-    warm = torch.tensor([3], device=device) if warmed else None
-    got = ensure_experts_hybrid(state, 0, ids, q16(Q16, device), max_fetch=2, warm_ids=warm, lfu=True)
-    want = ensure_experts_hybrid_reference(ref, 0, ids, q16(Q16, device), max_fetch=2, warm_ids=warm, lfu=True)
+    got = ensure_experts_hybrid(state, 0, ids, q16(Q16, device), max_fetch=2, lfu=True)
+    want = ensure_experts_hybrid_reference(ref, 0, ids, q16(Q16, device), max_fetch=2, lfu=True)
     assert all(torch.equal(g.cpu(), w.cpu()) for g, w in zip(got, want))
     assert_same(state, ref)
     fetched = sorted(e for e in range(E) if int(ref.slot_of_id[e]) >= 0)
-    assert fetched == ([1, 4] if warmed else [1, 3])  # 3 (9 uses) unless warmed, then 1 and 4 (5, lower id first)
+    assert fetched == [1, 3]  # 3 (9 uses), then 1 and 4 tie at 5: the lower id
     assert sorted(e for e in want[1].flatten().tolist() if e >= 0) == sorted({0, 1, 2, 3, 4} - set(fetched))
     assert ref.uses.tolist() == [1, 6, 3, 10, 6, 0, 0, 0]
 

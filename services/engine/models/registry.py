@@ -103,7 +103,7 @@ def build_backend(loaded: LoadedModel, config: EngineConfig) -> ExpertBackend:
                          top_k=loaded.spec.top_k, weight_bytes_on_device=loaded.model.non_expert_nbytes(),
                          kv_bytes_per_token=KVCache.nbytes_per_token(loaded.spec, loaded.dtype),
                          next_layer_predictors=next_layer_predictors(loaded.model)
-                         if config.moe_prefetch or config.moe_cpu_warm else None)
+                         if config.moe_prefetch else None)
     return make_backend(ctx)
 
 

@@ -179,23 +179,11 @@ class GraphHandoff:
         return wait_cpu_add(self.seq, self.done_h, self.out_h[: part.shape[0]], part, layer, self.stamps,
                             counters=mirror)
 
-    def enable_warm(self, capacity: int) -> torch.Tensor:
-        """Register the executor's warm table (services/engine/moe/cpu_warm.py): pinned int64 [L, 2 + K],
-        row l = [seq, n, K expert ids of layer l] posted by kernels/cpu_handoff.post_warm; returned."""
-        pin = dict(pin_memory=torch.cuda.is_available())
-        table = torch.zeros((len(self.executor.banks.layers), 2 + capacity), dtype=torch.int64, **pin)
-        self.executor._impl.set_warm_table(table)
-        self.warm_table = table  # keep alive: the workers read it
-        return table
-
     def poll_stats(self) -> dict:
-        """Totals since start: jobs, compute seconds, experts and routes computed, last seq, last error,
-        and the warms between jobs (runs, experts, bytes, cut short by the next job)."""
-        (jobs, compute_ns, experts, routes, last_seq, warm_jobs, warm_experts, warm_bytes, warm_aborted), error = \
-            self.executor._impl.poll_stats()
+        """Totals since start: jobs, compute seconds, experts and routes computed, last seq, last error."""
+        (jobs, compute_ns, experts, routes, last_seq), error = self.executor._impl.poll_stats()
         return {"jobs": jobs, "compute_s": compute_ns * 1e-9, "experts": experts, "routes": routes,
-                "last_seq": last_seq, "error": error, "warm_jobs": warm_jobs, "warm_experts": warm_experts,
-                "warm_bytes": warm_bytes, "warm_aborted": warm_aborted}
+                "last_seq": last_seq, "error": error}
 
     def close(self) -> None:
         self.executor._impl.stop_polling()

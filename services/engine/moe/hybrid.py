@@ -7,8 +7,6 @@ Decode data path per MoE layer (each (token, expert) route computed exactly once
     ensure_experts_hybrid  -> slot_ids [T, A] (hit / fetched, else -1), cpu_ids [T, A] (CPU, else -1)
     CPU submit             -> hidden, cpu_ids, weights to pinned buffers on the stream; workers start
                               when the stream's flag lands (the host never waits on the GPU here)
-    warm plan (optional)   -> the next layer's predicted CPU experts, for the executor to read into its
-                              caches once this job is done (--moe-cpu-warm, moe/cpu_warm.py)
     copy_missing           -> the F fetched experts host -> slots, meanwhile
     prefetch (optional)    -> wait for this layer's predicted experts, reserve slots for the next layer's;
                               their copy starts after the sync below (--moe-prefetch, moe/prefetch.py)
@@ -24,13 +22,14 @@ the step time the engine reports (observe_decode_step) and searches around the f
 the host DRAM, so the rates the model equalises move with f (H200 host: docs/results/history.md runs 8-10).
 `--moe-hybrid-max-fetch N >= 0` fixes the split instead: fetch at most N misses per layer.
 
-Two handoffs on CUDA (TANDEM_HYBRID_GRAPHS):
-- graph mode, the default (GraphHandoff): the stream writes a pinned job word, executor worker 0 runs the
+Two handoffs on CUDA:
+- graph mode, what the engine runs (GraphHandoff): the stream writes a pinned job word, executor worker 0 runs the
   job, a kernel waits for the done word; capturable, so the runner replays decode as a CUDA graph, and
   what the split needs (executor totals, the kernels' timings and cache counters) is mirrored to pinned
   memory and read between steps;
-- eager (DeviceHandoff, TANDEM_HYBRID_GRAPHS=0): one C++ call submits, enqueuing the input copies and a
-  ready flag through the CUDA driver API, one call waits and enqueues the upload; decode then runs without
+- eager (DeviceHandoff, ``graph_mode=False``: the tests and the profiler's c_sync): one C++ call submits,
+  enqueuing the input copies and a ready flag through the CUDA driver API, one call waits and enqueues
+  the upload; decode then runs without
   graphs, launch-bound (38 ms/token on the 24-layer benchmark model, run 5). The eager layer skips the
   GPU-weight masking (CPU routes have slot -1, which the GPU kernels skip) and sums in place.
 c_sync on the H200 host (benchmarks/bench_cpu_executor.py, run 5): graph 22.7 us/layer, eager 40.8 us.
@@ -44,14 +43,11 @@ import time
 import torch
 
 from services.common.logging import get_logger
-from services.common.settings import env
 from services.engine.config import MoEBackend
 from services.engine.moe.backends import BackendContext, register_backend
 from services.engine.moe.cpu_executor import CpuExecutor, default_num_threads
 from services.engine.moe.cpu_handoff import DeviceHandoff, GraphHandoff
-from services.engine.moe.cpu_warm import CpuWarm
 from services.engine.moe.offload import OffloadBackend
-from services.engine.moe.prefetch import read_ahead_possible
 from services.engine.moe.resident import GATHER_MAX_ROUTES, moe_decode, moe_grouped
 from services.engine.moe.split import DEFAULT_FRACTION, Q16, SplitController, SplitTuner, fraction_to_q16
 
@@ -92,11 +88,11 @@ class HybridBackend:
 
     def __init__(self, ctx: BackendContext, mode: MoEBackend = MoEBackend.HYBRID, num_slots: int | None = None,
                  use_triton: bool | None = None, num_threads: int | None = None, count_routes: bool = False,
-                 graph_mode: bool | None = None):
+                 graph_mode: bool = True):
         """num_slots / use_triton: as OffloadBackend · num_threads: CPU workers (default one per physical
         core, one core left to the thread driving the GPU) · count_routes: count GPU and CPU routes on
-        the host (a sync per layer; tests) · graph_mode: CUDA only, the capturable handoff (default from
-        TANDEM_HYBRID_GRAPHS)."""
+        the host (a sync per layer; tests) · graph_mode: CUDA only, the capturable handoff (False: the eager one, for tests and the
+        handoff benchmark)."""
         if mode not in (MoEBackend.HYBRID, MoEBackend.CPU):
             raise ValueError(f"hybrid backend: mode must be hybrid or cpu, got {mode}")
         self.mode = mode
@@ -110,11 +106,9 @@ class HybridBackend:
         self.expert_bytes = ctx.banks.expert_nbytes()
         if num_threads is None:
             num_threads = ctx.config.moe_cpu_threads or default_num_threads(leave_driver_core=ctx.device.type == "cuda")
-        # driving a GPU, the engine's own threads stay off the workers' cores (CpuExecutor confine_others)
-        self.executor = CpuExecutor(ctx.banks, num_threads=num_threads,
-                                    confine_others=ctx.device.type == "cuda" and env("TANDEM_CPU_CONFINE") == "1")
-        if graph_mode is None:
-            graph_mode = env("TANDEM_HYBRID_GRAPHS") == "1"
+        # driving a GPU, the engine's own threads stay off the workers' cores (CpuExecutor confine_others):
+        # a worker that loses its core stalls its share of every layer (part of decode overlap's +20 %)
+        self.executor = CpuExecutor(ctx.banks, num_threads=num_threads, confine_others=ctx.device.type == "cuda")
         self.graph_mode = bool(graph_mode) and ctx.device.type == "cuda"
         self.cuda_graph_safe = self.graph_mode  # read by the runner: capture decode graphs or run eagerly
         self.handoff = None
@@ -122,7 +116,6 @@ class HybridBackend:
             D = ctx.banks.layers[0].tensors["down"].shape[1]
             kind = GraphHandoff if self.graph_mode else DeviceHandoff
             self.handoff = kind(self.executor, ctx.device, DECODE_MAX_ROUTES, D, ctx.top_k, ctx.dtype)
-        self.warm = self._make_warm(ctx)
         cap = ctx.config.moe_hybrid_max_fetch
         if mode is MoEBackend.CPU:  # fixed: every miss on the CPU; rates still measured for stats
             self.max_fetch = 0
@@ -177,8 +170,6 @@ class HybridBackend:
             self.handoff.submit(moe_layer, hidden, cpu_ids, topk_weights)
         else:
             self.executor.submit(hidden, cpu_ids, topk_weights, moe_layer)
-        if self.warm is not None:
-            self.warm.plan(moe_layer, hidden)
         marks = step["fetch_marks"]
         t0 = self._mark(moe_layer, 0)
         self.cache.copy_missing(max_jobs=topk_ids.numel())
@@ -192,8 +183,6 @@ class HybridBackend:
         else:
             part = moe_grouped(hidden, slot_ids, topk_weights, gate_up, down)
             cpu_part = self.executor.wait()
-            if self.warm is not None:
-                self.warm.warm_now(moe_layer + 1)
         ex = self.executor
         step["cpu_s"] += ex.last_compute_seconds
         step["cpu_experts"] += ex.last_experts
@@ -219,8 +208,6 @@ class HybridBackend:
             return self.offload.forward(layer, hidden, topk_ids, topk_weights)
         slot_ids, cpu_ids = self._ensure(layer, topk_ids)  # [T, A] each
         self.handoff.submit(layer, hidden, cpu_ids, topk_weights)
-        if self.warm is not None:
-            self.warm.plan(layer, hidden)
         self.cache.copy_missing(max_jobs=topk_ids.numel())
         prefetch = self._prefetch_reserve(layer, hidden, topk_ids)
         gate_up, down = self.cache.slot_banks["gate_up"], self.cache.slot_banks["down"]  # CPU routes: slot -1, skipped
@@ -234,21 +221,6 @@ class HybridBackend:
             self.routes["gpu"] += int((slot_ids >= 0).sum())
             self.routes["cpu"] = self.handoff.poll_stats()["routes"] - self._routes_at_start
         return out
-
-    def _make_warm(self, ctx: BackendContext) -> CpuWarm | None:
-        """The cache warmer of ``--moe-cpu-warm W`` (None when off or impossible, with the reason)."""
-        per_token = ctx.config.moe_cpu_warm
-        if not read_ahead_possible("--moe-cpu-warm", per_token, self.num_layers, ctx.next_layer_predictors):
-            return None
-        if ctx.device.type == "cuda" and not self.graph_mode:
-            log.warning("--moe-cpu-warm %d: the eager CPU handoff (TANDEM_HYBRID_GRAPHS=0) does not warm; off",
-                        per_token)
-            return None
-        warm = CpuWarm(self.cache, ctx.next_layer_predictors, per_token, ctx.top_k, DECODE_MAX_ROUTES // ctx.top_k,
-                       self.executor, self.handoff if self.graph_mode else None)
-        log.info("cpu warm: the executor reads up to %d predicted experts per token of the next layer between jobs",
-                 warm.per_token)
-        return warm
 
     def _prefetch_reserve(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor):
         """After this layer's own copy (--moe-prefetch): wait for its prefetched experts, reserve the next
@@ -332,8 +304,7 @@ class HybridBackend:
             from kernels.ensure_experts_hybrid import ensure_experts_hybrid as ensure
         else:
             from kernels.ensure_experts_hybrid import ensure_experts_hybrid_reference as ensure
-        warm_ids = self.warm.row(layer) if self.warm is not None else None
-        return ensure(self.cache.state, layer, topk_ids, self.f_q16, self.max_fetch, warm_ids, lfu=self.cache.lfu,
+        return ensure(self.cache.state, layer, topk_ids, self.f_q16, self.max_fetch, lfu=self.cache.lfu,
                       use_cap=self.cache.use_cap)
 
     def _mark(self, layer: int, which: int):
@@ -446,7 +417,6 @@ class HybridBackend:
                       "tuner": self.tuner.stats() if self.tuner is not None else None,
                       "c_sync_calibrated_seconds": self.c_sync_calibrated, "steps": self.totals["split_steps"]},
             "prefetch": self.offload.prefetch.stats() if self.offload.prefetch is not None else None,
-            "cpu_warm": self.warm.stats() if self.warm is not None else None,
             "cpu_executor": {"isa": self.executor.isa, "threads": self.executor.num_threads,
                              "jobs": self.totals["cpu_jobs"], "experts_computed": self.totals["cpu_experts"],
                              "routes_computed": self.totals["cpu_routes"],

@@ -53,7 +53,7 @@ log = get_logger("moe.prefetch")
 
 
 def read_ahead_possible(flag: str, per_token: int, num_layers: int, predictors: list[torch.Tensor] | None) -> bool:
-    """Whether a next-layer read-ahead (``--moe-prefetch``, ``--moe-cpu-warm``) asked for ``per_token``
+    """Whether a next-layer read-ahead (``--moe-prefetch``) asked for ``per_token``
     experts can run: asked for, a next layer to read for, and the model's routers to predict it with
     (warns when they are missing)."""
     if per_token <= 0 or num_layers < 2:
@@ -84,7 +84,7 @@ def pick_next_layer(predictors: list[torch.Tensor], layer: int, hidden: torch.Te
                     top_k: int, per_token: int, use_triton: bool) -> torch.Tensor:
     """Layer+1's routing predicted from ``hidden`` [T, D] (layer's MoE input): per token the ``per_token``
     likeliest of its predicted top-k that ``slot_of_id`` does not cache -> [T, per_token] ids, -1 = none.
-    Shared by the prefetch (copied to GPU slots) and moe/cpu_warm.py (read into the CPU's caches)."""
+    The prefetch copies them to GPU slots."""
     if use_triton:
         from kernels.prefetch_pick import prefetch_pick as pick
     else:

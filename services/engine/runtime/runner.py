@@ -261,7 +261,7 @@ class DecodeGraphs:
         # Loose on purpose: bf16 kernels over a longer masked window may round differently, and hybrid's
         # two passes split differently (the replay's fetches are the eager pass's hits), so an expert
         # computed by the GPU in one is computed by the CPU in the other (24-layer synthetic model on the
-        # H200: 2.1 % with --moe-cpu-warm 4, docs/results/history.md run 15); a frozen decision (wrong slot,
+        # H200: 2.1 % in docs/results/history.md run 15); a frozen decision (wrong slot,
         # wrong expert) moves logits by their own magnitude.
         diff, scale = (replayed - eager).abs().max().item(), eager.abs().max().item()
         if not diff <= 0.05 * scale + 1e-3:

@@ -25,18 +25,17 @@ def test_banks_start_on_a_huge_page_and_take_any_dtype():
     assert host_bank((0, 4), torch.bfloat16).numel() == 0
 
 
-@pytest.mark.parametrize("advise", ["1", "0"])
-def test_huge_pages_follow_the_setting(monkeypatch, advise):
+@pytest.mark.parametrize("advise", [True, False])
+def test_huge_pages_follow_the_setting(advise):
     """Advised banks are backed by huge pages wherever THP is not off; without the advice a 'madvise'
-    system gives them none (the A/B that TANDEM_HOST_HUGE_PAGES=0 exists for)."""
-    monkeypatch.setenv("TANDEM_HOST_HUGE_PAGES", advise)
-    t = host_bank((16, 1024, 1024), torch.bfloat16)  # 32 MiB
+    system gives them none (the comparison bench_cpu_stream --pages makes)."""
+    t = host_bank((16, 1024, 1024), torch.bfloat16, huge_pages=advise)  # 32 MiB
     t.fill_(1.0)  # first touch: the kernel picks the page size now
     huge = host_page_report([t])["huge_page_bytes"]
     mode = thp_mode()
     if mode == "never":
         assert huge == 0
-    elif advise == "1":
+    elif advise:
         assert huge >= t.numel() * t.element_size() // 2, f"THP {mode}: {huge} of {t.numel() * 2} bytes in huge pages"
     elif mode == "madvise":
         assert huge == 0

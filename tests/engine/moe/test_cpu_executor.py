@@ -306,65 +306,6 @@ def test_graph_handoff_protocol(executors):
     ex.close()
 
 
-def test_warm_now_reads_each_expert_once(executors):
-    """warm_now touches the whole of each listed expert (gate_up and down), once, skipping -1, ids past the
-    bank and repeats; the banks are only read (a job afterwards still matches the reference)."""
-    banks, hidden, ids, weights = make_case(2, 2, 6, 40, 24, torch.bfloat16)
-    ex = executors(banks)
-    lb = banks.layers[0].tensors
-    before = {k: t.clone() for k, t in lb.items()}
-    assert ex._impl.warm_now(lb["gate_up"], lb["down"], [3, -1, 1, 3, 6, 99]) == 2 * banks.expert_nbytes()
-    assert ex._impl.warm_now(lb["gate_up"], lb["down"], []) == 0
-    assert all(torch.equal(before[k], lb[k]) for k in lb)
-    torch.testing.assert_close(ex.forward(0, hidden, ids, weights), reference(banks, hidden, ids, weights),
-                               atol=tolerance(torch.bfloat16), rtol=tolerance(torch.bfloat16))
-
-
-@CPU_PLAYS_THE_DEVICE
-def test_graph_mode_warms_the_posted_row_after_the_job():
-    """The GPU's post (kernels/cpu_handoff.post_warm, interpreted) of layer 1's experts with the seq of layer
-    0's job: once that job is done the idle pool reads them; a row posted for another seq is never read."""
-    from kernels.cpu_handoff import post_warm
-
-    L, E, D, I, A = 3, 6, 40, 24, 2
-    banks = ExpertBanks.allocate(ExpertFormat.UNQUANTIZED, L, E, D, I, torch.float32)
-    ex = CpuExecutor(banks, num_threads=2, spin_us=50)
-    hand = GraphHandoff(ex, torch.device("cpu"), 2, D, A, torch.float32)
-    table = hand.enable_warm(4)  # K = 4 ids per row
-    rows = torch.full((L, 4), -1, dtype=torch.int64)
-    hidden, ids, w = torch.randn(1, D), torch.tensor([[0, 2]]), torch.rand(1, A)
-
-    def run_job(layer: int, warm_ids: list[int] | None, seq_offset: int = 0) -> None:
-        hand.submit(layer, hidden, ids, w)
-        if warm_ids is not None:
-            picked = torch.tensor([warm_ids], dtype=torch.int64)
-            hand.seq += seq_offset  # a stale post: a seq no job of this layer has
-            post_warm(hand.seq, picked, rows[layer + 1], table[layer + 1])
-            hand.seq -= seq_offset
-        seq = int(hand.seq[0])
-        while int(hand.done_h[0]) < seq:
-            pass
-        hand.sync_add(layer, torch.zeros(1, D))
-
-    try:
-        run_job(0, [4, 1, -1])
-        deadline = time.monotonic() + 10
-        while hand.poll_stats()["warm_jobs"] < 1 and time.monotonic() < deadline:  # the pool warms once idle
-            time.sleep(0.001)
-        stats = hand.poll_stats()
-        assert rows[1].tolist() == [4, 1, -1, -1] and table[1, :4].tolist() == [1, 3, 4, 1]  # seq 1, n 3, ids
-        assert stats["warm_jobs"] == 1 and stats["warm_experts"] == 2 and stats["warm_aborted"] == 0
-        assert stats["warm_bytes"] == 2 * banks.expert_nbytes()
-        run_job(1, [5], seq_offset=7)  # posted with seq 9 for the job of seq 2: not for this job
-        run_job(0, None)  # layer 1's row still says seq 1: stale, not read
-        time.sleep(0.1)  # time enough for a wrong warm to show
-        stats = hand.poll_stats()
-        assert stats["jobs"] == 3 and stats["warm_jobs"] == 1 and stats["error"] == ""
-    finally:
-        hand.close()
-        ex.close()
-
-
 @CPU_PLAYS_THE_DEVICE
 def test_graph_handoff_times_out_into_nans():
     """A CPU job that never answers must not hang the device: the wait kernel gives up and writes NaNs."""
@@ -476,9 +417,8 @@ def test_host_page_report_finds_the_banks_mappings():
 
 @pytest.mark.parametrize("setting", ["0", "2048:l1", "4096:l2", "8192:nta"])
 def test_stream_prefetch_changes_no_result(executors, setting):
-    """TANDEM_CPU_PREFETCH only hints the caches: every setting gives the reference's output."""
-    from services.common.settings import env
-    from services.engine.moe.cpu_executor import stream_prefetch
+    """The stream prefetch only hints the caches: every setting gives the reference's output."""
+    from services.engine.moe.cpu_executor import STREAM_PREFETCH, stream_prefetch
 
     banks, hidden, ids, weights = make_case(3, 4, 9, 2048, 96, torch.bfloat16, seed=5)  # rows of one 4 KB page
     ext = build_extension()
@@ -486,7 +426,7 @@ def test_stream_prefetch_changes_no_result(executors, setting):
         ext.set_stream_prefetch(*stream_prefetch(setting))
         out = executors(banks).forward(0, hidden, ids, weights)
     finally:
-        ext.set_stream_prefetch(*stream_prefetch(env("TANDEM_CPU_PREFETCH")))
+        ext.set_stream_prefetch(*stream_prefetch(STREAM_PREFETCH))
     torch.testing.assert_close(out, reference(banks, hidden, ids, weights), atol=2e-2, rtol=2e-2)
 
 
@@ -494,5 +434,5 @@ def test_stream_prefetch_changes_no_result(executors, setting):
 def test_stream_prefetch_rejects_bad_settings(bad):
     from services.engine.moe.cpu_executor import stream_prefetch
 
-    with pytest.raises(ValueError, match="TANDEM_CPU_PREFETCH"):
+    with pytest.raises(ValueError, match="stream prefetch"):
         stream_prefetch(bad)

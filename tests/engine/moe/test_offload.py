@@ -173,7 +173,7 @@ def test_sizing_below_minimum_names_it():
         sizing_config(moe_cache_size=4, moe_cache_auto=True)
 
 
-def test_offload_backend_from_config_and_bad_copy_mode(hf_checkpoints, loaded, monkeypatch):
+def test_offload_backend_from_config(hf_checkpoints, loaded):
     lm = loaded["olmoe"]
     cfg = EngineConfig(model=str(hf_checkpoints["olmoe"].dir), moe_backend="offload", moe_cache_rate=0.5)
     backend = build_backend(lm, cfg)
@@ -181,6 +181,3 @@ def test_offload_backend_from_config_and_bad_copy_mode(hf_checkpoints, loaded, m
     assert backend.cache.num_slots == math.ceil(0.5 * len(lm.banks.layers) * lm.spec.num_experts)
     with pytest.raises(ValueError, match="minimum of 2 slots"):
         build_backend(lm, EngineConfig(model=str(hf_checkpoints["olmoe"].dir), moe_backend="offload", moe_cache_size=1))
-    monkeypatch.setenv("TANDEM_COPY_MODE", "sideways")
-    with pytest.raises(ValueError, match="TANDEM_COPY_MODE='sideways'"):
-        build_backend(lm, cfg)

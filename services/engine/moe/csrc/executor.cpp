@@ -25,9 +25,6 @@
 //     time-slices every layer);
 //   - loop mode (start_loop): jobs back to back on the workers until stop_loop(), for measuring the
 //     executor's bandwidth while something else (PCIe copies) runs, with no Python in the loop.
-// Between graph-mode jobs the pool may also warm: touch the next layer's experts that the GPU posted in
-// a pinned table, so the next job finds them in the CPU's caches (set_warm_table, warm_posted;
-// services/engine/moe/cpu_warm.py says why).
 #include <torch/extension.h>
 
 #include <pthread.h>
@@ -108,15 +105,6 @@ class SpinBarrier {
 struct Job {
   bool read_only = false;            // STREAM-style read job (read_bandwidth), not a MoE layer
   std::vector<double> read_sums;     // [threads]
-  // warm job (warm_now / graph mode): touch every cache line of some experts so the next job finds them
-  // in the CPU's caches; spans [start, start + bytes) are cut into kWarmChunk units
-  bool warm = false;
-  std::vector<std::pair<const char*, int64_t>> warm_spans;
-  std::vector<int64_t> warm_unit_start;                  // [spans + 1] first unit of each span
-  const volatile int64_t* warm_abort_word = nullptr;     // graph mode: the job word; a new seq ends the warm
-  int64_t warm_abort_seq = 0;
-  std::atomic<int64_t> warm_bytes{0};
-  std::atomic<bool> warm_aborted{false};
   // inputs (kept alive by the Python wrapper until wait() returns)
   torch::Tensor hidden, ids, weights, gate_up, down, out, ready;
   int64_t ready_value = 0;
@@ -261,7 +249,7 @@ class Executor {
                   "cpu executor: job/done words must be int64 CPU (pinned) tensors");
     TORCH_CHECK(gate_ups.size() == downs.size() && !gate_ups.empty(), "cpu executor: one gate_up and one down bank per layer");
     TORCH_CHECK(gate_ups.size() < 1024 && hidden.size(0) < 1024, "cpu executor: graph mode encodes layer and T in 10 bits");
-    poll_ = PollState{job_word, done_word, hidden, ids, weights, out, torch::Tensor(), std::move(gate_ups), std::move(downs)};
+    poll_ = PollState{job_word, done_word, hidden, ids, weights, out, std::move(gate_ups), std::move(downs)};
     poll_.last_seq = done_word.data_ptr<int64_t>()[0];
     poll_idle_since_ = now_ns();
     {
@@ -276,110 +264,19 @@ class Executor {
     end_polling();
   }
 
-  // (jobs, compute ns, experts, routes, last seq, warm jobs, experts warmed, warm bytes, warms cut short)
-  // since start_polling, and the last error ("" if none)
+  // (jobs, compute ns, experts, routes, last seq) since start_polling, and the last error ("" if none)
   std::tuple<std::vector<int64_t>, std::string> poll_stats() {
     std::lock_guard<std::mutex> g(poll_m_);
-    return {{poll_.jobs, poll_.compute_ns, poll_.experts, poll_.routes, poll_.last_seq, poll_.warm_jobs,
-             poll_.warm_experts, poll_.warm_bytes, poll_.warm_aborted}, poll_.error};
-  }
-
-  // Graph mode, warming the CPU's caches between jobs (services/engine/moe/cpu_warm.py): `table` [L, 2 + K]
-  // int64 pinned, row l = [seq, n, n expert ids of layer l], posted by the GPU (ids, fence, then seq)
-  // while layer l-1's job of that seq runs. When that job is done and before the next job word, the pool
-  // reads those experts' bytes into the caches, stopping at once when the next job word lands.
-  void set_warm_table(torch::Tensor table) {
-    TORCH_CHECK(polling_.load(), "cpu executor: set_warm_table() needs graph-mode polling on");
-    TORCH_CHECK(table.scalar_type() == torch::kInt64 && table.dim() == 2 && table.size(1) >= 3 &&
-                table.size(0) == (int64_t)poll_.gate_ups.size() && table.is_contiguous() && table.device().is_cpu(),
-                "cpu executor: the warm table must be a contiguous int64 CPU (pinned) tensor [L, 2 + K]");
-    pybind11::gil_scoped_release nogil;
-    end_polling();  // worker 0 must not read the table while it changes
-    poll_.warm_table = table;
-    {
-      std::lock_guard<std::mutex> g(m_);
-      polling_ = true;
-    }
-    cv_start_.notify_all();  // worker 0 may have gone to sleep meanwhile
-  }
-
-  // Touch experts `ids` of one layer's banks now (the pool, blocking); returns the bytes read.
-  int64_t warm_now(torch::Tensor gate_up, torch::Tensor down, std::vector<int64_t> ids) {
-    TORCH_CHECK(!busy_ && !polling_, "cpu executor: warm_now() while a job is in flight or polling is on");
-    TORCH_CHECK(gate_up.is_contiguous() && down.is_contiguous() && gate_up.size(0) == down.size(0),
-                "cpu executor: warm_now() needs contiguous banks of the same layer");
-    pybind11::gil_scoped_release nogil;
-    return run_warm(gate_up, down, ids.data(), (int64_t)ids.size(), nullptr, 0, /*on_worker0=*/false);
+    return {{poll_.jobs, poll_.compute_ns, poll_.experts, poll_.routes, poll_.last_seq}, poll_.error};
   }
 
  private:
   struct PollState {
-    torch::Tensor job_word, done_word, hidden, ids, weights, out, warm_table;
+    torch::Tensor job_word, done_word, hidden, ids, weights, out;
     std::vector<torch::Tensor> gate_ups, downs;
     int64_t last_seq = 0, jobs = 0, compute_ns = 0, experts = 0, routes = 0;
-    int64_t warm_jobs = 0, warm_experts = 0, warm_bytes = 0, warm_aborted = 0;
-    int64_t warm_layer = -1;  // the layer whose row to look at once idle (-1: none), posted with seq last_seq
     std::string error;
   };
-
-  static constexpr int64_t kWarmChunk = 16384;  // bytes per unit: the job word is checked this often
-
-  // The pool touches one 8-byte word per 64-byte line of experts `ids[0..n)` of the banks (each
-  // expert's gate_up and down rows); ids out of range or repeated are skipped. Stops early once
-  // `*abort_word >> 20` exceeds `abort_seq` (graph mode: the next job arrived). Returns bytes touched.
-  // on_worker0: called by worker 0 (graph mode), which then takes its share; else by another thread,
-  // which only waits.
-  int64_t run_warm(const torch::Tensor& gate_up, const torch::Tensor& down, const int64_t* ids, int64_t n,
-                   const volatile int64_t* abort_word, int64_t abort_seq, bool on_worker0) {
-    Job& j = job_;
-    const int64_t E = gate_up.size(0);
-    const int64_t gu_bytes = gate_up.nbytes() / E, d_bytes = down.nbytes() / E;
-    j.warm_spans.clear();
-    j.warm_unit_start.assign(1, 0);
-    std::vector<bool> seen(E, false);
-    for (int64_t k = 0; k < n; ++k) {
-      const int64_t e = ids[k];
-      if (e < 0 || e >= E || seen[e]) continue;
-      seen[e] = true;
-      j.warm_spans.emplace_back(static_cast<const char*>(gate_up.data_ptr()) + e * gu_bytes, gu_bytes);
-      j.warm_spans.emplace_back(static_cast<const char*>(down.data_ptr()) + e * d_bytes, d_bytes);
-    }
-    for (auto& sp : j.warm_spans)
-      j.warm_unit_start.push_back(j.warm_unit_start.back() + (sp.second + kWarmChunk - 1) / kWarmChunk);
-    if (j.warm_spans.empty()) return 0;
-    j.warm = true;
-    j.warm_abort_word = abort_word;
-    j.warm_abort_seq = abort_seq;
-    j.warm_bytes.store(0);
-    j.warm_aborted.store(false);
-    reset_cursors(cursors_[0].get(), j.warm_unit_start.back());
-    dispatch();
-    if (on_worker0) {
-      run(0);
-      finish_share();
-    }
-    while (remaining_.load(std::memory_order_acquire) != 0) _mm_pause();
-    busy_ = false;
-    j.warm = false;
-    return j.warm_bytes.load();
-  }
-
-  // One unit of a warm job; false when the job should stop (the next job arrived).
-  bool warm_unit(int64_t u) {
-    Job& j = job_;
-    if (j.warm_aborted.load(std::memory_order_relaxed)) return false;
-    if (j.warm_abort_word != nullptr && (*j.warm_abort_word >> 20) > j.warm_abort_seq) {
-      j.warm_aborted.store(true, std::memory_order_relaxed);
-      return false;
-    }
-    size_t s = 0;
-    while (j.warm_unit_start[s + 1] <= u) ++s;  // a handful of spans per layer
-    const auto& sp = j.warm_spans[s];
-    const int64_t off = (u - j.warm_unit_start[s]) * kWarmChunk, len = std::min(kWarmChunk, sp.second - off);
-    for (int64_t b = 0; b < len; b += 64) (void)*reinterpret_cast<const volatile uint64_t*>(sp.first + off + b);
-    j.warm_bytes.fetch_add(len, std::memory_order_relaxed);
-    return true;
-  }
 
   void end_polling() {
     {
@@ -401,10 +298,6 @@ class Executor {
     auto* done = reinterpret_cast<volatile int64_t*>(poll_.done_word.data_ptr<int64_t>());
     const int64_t w = *job, seq = w >> 20;
     if (seq <= poll_.last_seq) {  // idle: spin while layers come back to back, then nap
-      if (poll_.warm_layer >= 0 && warm_posted()) {
-        in_poll_.store(false);
-        return true;
-      }
       in_poll_.store(false);
       if (now_ns() - poll_idle_since_ < 2000000) _mm_pause();
       else std::this_thread::sleep_for(std::chrono::microseconds(10));  // timer slack set to 1 us
@@ -451,7 +344,6 @@ class Executor {
       if (!err.empty()) poll_.error = err;  // the GPU still gets its done word: never hang the stream
     }
     job_.hidden = job_.ids = job_.weights = job_.gate_up = job_.down = job_.out = torch::Tensor();
-    poll_.warm_layer = poll_.warm_table.defined() && layer + 1 < poll_.warm_table.size(0) ? layer + 1 : -1;
     std::atomic_thread_fence(std::memory_order_release);
     *done = seq;
     poll_idle_since_ = now_ns();
@@ -459,26 +351,6 @@ class Executor {
     return true;
   }
 
-  // Idle worker 0 in graph mode: if the GPU has posted the warm row of the next layer for the job just
-  // done, the pool reads those experts now (until the next job word lands). Returns whether it warmed.
-  bool warm_posted() {
-    const int64_t layer = poll_.warm_layer;
-    auto* row = reinterpret_cast<volatile int64_t*>(poll_.warm_table.data_ptr<int64_t>() + layer * poll_.warm_table.size(1));
-    if (row[0] != poll_.last_seq) return false;  // not posted (yet): look again on the next idle spin
-    std::atomic_thread_fence(std::memory_order_acquire);
-    poll_.warm_layer = -1;
-    const int64_t posted_n = row[1], n = std::max<int64_t>(0, std::min<int64_t>(posted_n, poll_.warm_table.size(1) - 2));
-    std::vector<int64_t> ids(n);
-    for (int64_t k = 0; k < n; ++k) ids[k] = row[2 + k];
-    const auto* job = reinterpret_cast<const volatile int64_t*>(poll_.job_word.data_ptr<int64_t>());
-    const int64_t bytes = run_warm(poll_.gate_ups[layer], poll_.downs[layer], ids.data(), n, job, poll_.last_seq, /*on_worker0=*/true);
-    std::lock_guard<std::mutex> g(poll_m_);
-    poll_.warm_jobs += 1;
-    poll_.warm_experts += static_cast<int64_t>(job_.warm_spans.size() / 2);
-    poll_.warm_bytes += bytes;
-    poll_.warm_aborted += job_.warm_aborted.load() ? 1 : 0;
-    return true;
-  }
 
  public:
   // ---- eager device handoff ----------------------------------------------------------------------
@@ -701,15 +573,6 @@ class Executor {
       j.read_sums[tid] = k_.read(j.hidden.data_ptr<float>() + a, b - a);
       return;
     }
-    if (j.warm) {  // units taken through the cursors like a phase, so a slow core does not hold it up
-      Cursor* c = cursors_[0].get();
-      for (int k = 0; k < n_; ++k) {
-        Cursor& cur = c[(tid + k) % n_];
-        for (int64_t u; (u = cur.next.fetch_add(1, std::memory_order_relaxed)) < cur.end;)
-          if (!warm_unit(u)) return;
-      }
-      return;
-    }
     for (;;) {  // one pass per job; loop mode keeps going (thread 0 prepares the next while others wait)
       if (tid == 0) prepare();
       barrier_.wait();
@@ -928,8 +791,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("start_polling", &tandem::Executor::start_polling)
       .def("stop_polling", &tandem::Executor::stop_polling)
       .def("poll_stats", &tandem::Executor::poll_stats)
-      .def("set_warm_table", &tandem::Executor::set_warm_table)
-      .def("warm_now", &tandem::Executor::warm_now)
       .def("link_device", &tandem::Executor::link_device)
       .def("device_submit", &tandem::Executor::device_submit)
       .def("device_sync", &tandem::Executor::device_sync)

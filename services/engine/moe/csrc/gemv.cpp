@@ -16,11 +16,11 @@
 namespace tandem {
 
 // Software prefetch into the weight stream, set once per process (set_stream_prefetch, from
-// TANDEM_CPU_PREFETCH). The L2 streamer stops at 4 KB page boundaries and a gate_up row of D=2048 bf16
+// cpu_executor.STREAM_PREFETCH). The L2 streamer stops at 4 KB page boundaries and a gate_up row of D=2048 bf16
 // is exactly one page, so each row would restart its training; a hint ahead keeps the next page's lines
 // in flight. The level decides how many can be: prefetcht0 (l1) holds one of the core's ~16 L1 fill
 // buffers per line until it lands, prefetcht1 (l2) only an entry of L2's ~48-deep queue.
-static int g_prefetch_bytes = 4096;  // the defaults of TANDEM_CPU_PREFETCH (4096:l2)
+static int g_prefetch_bytes = 4096;  // cpu_executor.STREAM_PREFETCH (4096:l2)
 static int g_prefetch_level = 1;  // 0 l1 (T0), 1 l2 (T1), 2 nta, -1 off
 
 void set_stream_prefetch(int bytes, int level) {
