@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,14 +54,22 @@ def broken_links(md: Path) -> list[str]:
     return bad
 
 
+def _generated(word: str) -> bool:
+    """A path git ignores (a build step writes it, e.g. the wheelhouse's pinned lists): named, not shipped."""
+    if not (ROOT / ".git").exists():
+        return False
+    return subprocess.run(["git", "check-ignore", "-q", word], cwd=ROOT).returncode == 0
+
+
 def missing_paths(md: Path) -> list[str]:
     """Repository paths named in code spans of ``md`` (``services/...``, ``docs/...``) that do not exist,
-    relative to the repository root or to the file's own folder."""
+    relative to the repository root or to the file's own folder, and are not build outputs."""
     bad = []
     for span in CODE_SPAN.findall(md.read_text(encoding="utf-8")):
         for word in span.split():
             word = word.rstrip(".,;:)")
-            if REPO_PATH.match(word) and not any(c in word for c in "*{<") and not _exists(word, md):
+            if REPO_PATH.match(word) and not any(c in word for c in "*{<") and not _exists(word, md) \
+                    and not _generated(word):
                 bad.append(word)
     return bad
 
