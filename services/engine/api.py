@@ -6,6 +6,8 @@
     POST /engine/v1/generate     {request_id, prompt_token_ids, sampling{...}} -> NDJSON lines
                                  {token_ids, finish_reason, prompt_tokens, completion_tokens, cached_tokens
                                   [, stop_token_id][, logprobs]}
+                                 (sampling.grammar: {"json_schema": {...}} | {"lark": "..."} constrains
+                                 the output; one that does not compile is a 400 naming why)
                                  a client that disconnects aborts the request (its KV slot is freed)
     POST /engine/v1/abort        {request_id}
     GET  /engine/v1/stats        JSON (throughput, running/waiting, KV use, expert-cache counters, VRAM)

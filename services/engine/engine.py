@@ -19,6 +19,7 @@ from services.common.logging import get_logger
 from services.engine.config import DecodeOverlap, EngineConfig
 from services.engine.metrics import EngineMetrics
 from services.engine.reports import build_info, flat_backend_stats, vram_stats
+from services.engine.runtime.grammar import GrammarCompiler, TokenMasks
 from services.engine.runtime.sampler import SamplingParams
 from services.engine.runtime.scheduler import (FinishReason, InvalidRequestError, QueueFullError, Request,
                                                RequestTooLongError, Scheduler)
@@ -109,6 +110,7 @@ class Engine:
         self.loaded = None
         self.runner = None
         self.scheduler: Scheduler | None = None
+        self.grammars: GrammarCompiler | None = None  # compiles requests' grammars (constrained decoding)
         self.metrics = None  # EngineMetrics (services/engine/metrics.py) once the model id is known
         self._info: dict | None = None
         self._load = load
@@ -205,8 +207,11 @@ class Engine:
         self.metrics = EngineMetrics(self.loaded.model_id)
         device = torch.device(cfg.device.value)
         dtype = getattr(torch, cfg.dtype.value)
+        self.grammars = GrammarCompiler(self._info["tokenizer_json"], self.loaded.spec.vocab_size,
+                                        self._info["eos_token_ids"])
         self.runner = ModelRunner(self.loaded, cfg.max_running_requests, cfg.max_seq_len, device, dtype,
-                                  backend_name=cfg.moe_backend.value, eos_token_ids=self._info["eos_token_ids"])
+                                  backend_name=cfg.moe_backend.value, eos_token_ids=self._info["eos_token_ids"],
+                                  masks=TokenMasks(self.grammars.mask_vocab))
         self.scheduler = Scheduler(cfg.max_running_requests, cfg.max_waiting_requests, cfg.max_seq_len,
                                    self._info["eos_token_ids"], max_prefill_tokens=cfg.max_prefill_tokens,
                                    prefix_cache=cfg.prefix_cache)
@@ -395,6 +400,8 @@ class Engine:
         if bad:
             raise InvalidRequestError(f"logit_bias has token ids outside [0, {vocab}): {bad[:5]}")
         self.scheduler.check(len(prompt_token_ids), params)
+        # compiled here, on the caller's thread: a grammar that does not compile is a 400 before queueing
+        grammar = self.grammars.compile(params.grammar) if params.grammar is not None else None
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
 
         def emit(out: dict) -> None:  # model thread: forward to the stream, forget the id when done
@@ -403,7 +410,7 @@ class Engine:
                     self._live.discard(request_id)
             stream.put(out)
 
-        req = Request(request_id, list(prompt_token_ids), params, emit)
+        req = Request(request_id, list(prompt_token_ids), params, emit, grammar=grammar)
         with self._cond:
             if request_id in self._live:
                 raise InvalidRequestError(f"request_id {request_id!r} is already in flight; ids must be unique")

@@ -2,7 +2,9 @@
 
 ``launch`` queues all of it on the device and returns; ``collect`` waits for the sampled ids on the host
 (``run`` = both). Between the two the engine may launch the next step of the same requests, fed by this
-step's samples on the device (decode overlap, services/engine/engine.py).
+step's samples on the device (decode overlap, services/engine/engine.py). Rows with a grammar
+(constrained decoding, ``grammar.py``) get their token masks applied to the logits before sampling,
+eager or replayed alike.
 
 Dimension legend: T tokens in the step · N sequences in the step · V vocabulary · S KV slots.
 
@@ -27,6 +29,7 @@ import torch
 from services.common.logging import get_logger
 from services.common.settings import env
 from services.engine.runtime import penalties
+from services.engine.runtime.grammar import TokenMasks
 from services.engine.runtime.sampler import Sampler, make_generator, token_logprobs
 from services.engine.runtime.scheduler import ScheduledBatch
 
@@ -41,8 +44,10 @@ class ModelRunner:
     """One forward + sample per engine step, on the model's device."""
 
     def __init__(self, loaded, num_slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype,
-                 backend_name: str = "resident", eos_token_ids: list[int] = ()):
-        """``eos_token_ids``: the ids min_tokens bans until a request has generated enough."""
+                 backend_name: str = "resident", eos_token_ids: list[int] = (),
+                 masks: TokenMasks | None = None):
+        """``eos_token_ids``: the ids min_tokens bans until a request has generated enough;
+        ``masks``: the grammar masks of constrained rows (default: as wide as the model's vocabulary)."""
         from services.engine.runtime.kv_cache import KVCache  # model helper's module
 
         self.loaded = loaded
@@ -50,6 +55,7 @@ class ModelRunner:
         self.model = loaded.model
         self.device = device
         self.sampler = Sampler()
+        self.masks = masks or TokenMasks(loaded.spec.vocab_size)  # grammar masks (constrained decoding)
         self.graphs: DecodeGraphs | None = None
         # Graphs are allowed on CUDA unless turned off; they are captured while the backend is graph-safe
         # (`auto` may swap backends later and call recapture()).
@@ -116,6 +122,10 @@ class ModelRunner:
             logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]  # [n, V]
         params = [r.params for r in reqs]
         processed = penalties.apply(logits, params, [r.logit_state for r in reqs])  # [n, V]
+        if any(r.grammar is not None for r in reqs):  # computed on the host while the device runs the forward
+            if processed is logits:
+                processed = logits.clone()  # logprobs read the model's own logits
+            self.masks.apply(processed, [r.grammar for r in reqs])
         step.tokens = self.sampler.sample(processed, params, [r.generator for r in reqs])  # [n]
         for j, req in enumerate(reqs):
             if req.logit_state is not None:

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.engine.runtime.grammar import check_spec
+
 MAX_LOGPROBS = 20  # the most alternatives per token (OpenAI's top_logprobs limit)
 
 
@@ -39,6 +41,8 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
     min_p: float = 0.0  # drop tokens below min_p x the best token's probability (after temperature)
     logprobs: int | None = None  # None: none; k >= 0: each sampled token's logprob and the k best
+    # constrained decoding: {"json_schema": {...}} or {"lark": "..."} (services/engine/runtime/grammar.py)
+    grammar: dict | None = None
 
     def __post_init__(self) -> None:
         # Types first: a bad value must be refused here (400), not fail a whole batch on the model thread.
@@ -59,6 +63,13 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise TypeError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        if self.grammar is not None:
+            check_spec(self.grammar)
+            # a finished grammar allows only EOS: nothing to go on with, and EOS must not be banned
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with a grammar")
+            if self.min_tokens:
+                raise ValueError("min_tokens cannot be combined with a grammar")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 
+from services.engine.runtime.grammar import advance
 from services.engine.runtime.sampler import SamplingParams
 
 
@@ -66,6 +67,7 @@ class Request:
     slot: int | None = None
     generator: torch.Generator | None = None  # created by the runner on the compute device
     logit_state: Any = None  # penalties.LogitState, created by the runner when the params need one
+    grammar: Any = None  # the llguidance matcher of params.grammar (runtime/grammar.py), compiled at submit
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
@@ -234,6 +236,8 @@ class Scheduler:
         if not all(batch.samples):
             return None
         reqs = batch.requests
+        if any(r.grammar is not None for r in reqs):  # its mask needs the pending token on the host
+            return None
         if any(len(r.output_token_ids) + 1 >= r.params.max_tokens or r.num_tokens + 1 >= self.max_seq_len for r in reqs):
             return None
         positions = [r.num_tokens for r in reqs]  # where the pending token goes
@@ -252,6 +256,8 @@ class Scheduler:
             if req.finish_reason is not None or tok is None:  # aborted while the step ran, or mid-prompt
                 continue
             req.output_token_ids.append(tok)
+            if req.grammar is not None:
+                advance(req.grammar, tok)
             req.first_token_time = req.first_token_time or now
             req.last_token_time = now
             p = req.params
