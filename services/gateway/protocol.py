@@ -48,6 +48,40 @@ class ChatMessage(_Request):
         return "".join(p.text or "" for p in self.content)
 
 
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # forced calls always follow the schema; free ones are parsed as written
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # `schema` shadows a BaseModel attribute
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatCompletionRequest(_StrictRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     model: str
@@ -63,14 +97,14 @@ class ChatCompletionRequest(_StrictRequest):
     modalities: list[str] | None = None
     moderation: Any = None
     n: int | None = Field(1, ge=1)
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = None  # default True
     prediction: Any = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     prompt_cache_key: str | None = None
     prompt_cache_options: Any = None
     prompt_cache_retention: Any = None
     reasoning_effort: Any = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     safety_identifier: str | None = None
     seed: int | None = None
     service_tier: str | None = None
@@ -79,8 +113,8 @@ class ChatCompletionRequest(_StrictRequest):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
-    tool_choice: Any = None
-    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tools: list[ChatTool] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     user: str | None = None
@@ -138,9 +172,21 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -159,9 +205,22 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

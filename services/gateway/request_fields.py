@@ -34,8 +34,6 @@ def _refused(note: str, *neutral: Any) -> FieldRule:
     return FieldRule(REFUSED, note, (None, *neutral))
 
 
-_TOOLS_LATER = "tool calling is not served yet"
-
 _SHARED = {
     "model": _honoured("a model name the engines serve (GET /v1/models)"),
     "frequency_penalty": _honoured("minus the penalty times the token's count in the output, on the logits"),
@@ -64,8 +62,8 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     "messages": _honoured("rendered with the model's chat template; text content parts only (others: 400)"),
     **_SHARED,
     "audio": _refused("audio output is not supported (text models only)"),
-    "function_call": _refused(f"deprecated by OpenAI in favour of tool_choice; {_TOOLS_LATER}", "none"),
-    "functions": _refused(f"deprecated by OpenAI in favour of tools; {_TOOLS_LATER}", []),
+    "function_call": _refused("deprecated by OpenAI: send tool_choice", "none"),
+    "functions": _refused("deprecated by OpenAI: send tools", []),
     "logprobs": _honoured("the model's log-probabilities of the sampled tokens (before penalties, biases and "
                           "temperature)"),
     "max_completion_tokens": _honoured("the completion's token limit (400 when prompt + it exceed the context)"),
@@ -73,19 +71,21 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     "metadata": _honoured("accepted as information only (tags a stored completion at OpenAI; nothing is stored)"),
     "modalities": _refused("only text output is supported", ["text"]),
     "moderation": _refused("moderation is not supported"),
-    "parallel_tool_calls": _refused(_TOOLS_LATER),
+    "parallel_tool_calls": _honoured("false: at most one tool call per answer (default true)"),
     "prediction": _refused("predicted outputs are not supported"),
     "prompt_cache_key": _honoured("accepted as a hint only (Tandem has no prompt cache to route by)"),
     "prompt_cache_options": _refused("prompt caching options are not supported"),
     "prompt_cache_retention": _refused("prompt cache retention is not supported"),
     "reasoning_effort": _refused("not supported; models that can think take "
                                  "chat_template_kwargs={\"enable_thinking\": ...}"),
-    "response_format": _refused("structured output is not served yet", {"type": "text"}),
+    "response_format": _honoured("json_object / json_schema: the output is valid JSON (under the schema) by "
+                                 "constrained decoding; a schema that does not compile is a 400"),
     "safety_identifier": _honoured("accepted as information only (OpenAI uses it for abuse monitoring)"),
     "service_tier": _refused("service tiers are not supported", "auto", "default"),
     "store": _refused("completions are never stored", False),
-    "tool_choice": _refused(_TOOLS_LATER, "none"),
-    "tools": _refused(_TOOLS_LATER, []),
+    "tool_choice": _honoured("none, auto (parsed from the model's own tool-call syntax), required or a named "
+                             "function (forced by constrained decoding)"),
+    "tools": _honoured("function tools, rendered by the chat template; calls come back as tool_calls"),
     "top_logprobs": _honoured("0-20 most likely alternatives per token (needs logprobs: true)"),
     "verbosity": _refused("verbosity is not supported"),
     "web_search_options": _refused("web search is not supported"),

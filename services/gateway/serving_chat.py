@@ -1,7 +1,10 @@
 """POST /v1/chat/completions: template the messages with the engine's chat template, tokenize, generate,
 answer as one JSON or as SSE chunks (first delta carries the role, one id for every chunk, the last
 choice chunk carries finish_reason, an optional usage chunk, then ``data: [DONE]``); n choices and
-logprobs as OpenAI gives them (responses.py, logprobs.py)."""
+logprobs as OpenAI gives them (responses.py, logprobs.py).
+
+Tool calls (chat_tools.py, tool_parsers.py) and response_format (structured_output.py) are planned in
+``prepare``: a forced call or a JSON format becomes the engine's grammar."""
 
 from __future__ import annotations
 
@@ -9,12 +12,16 @@ import time
 
 from services.common.chat_template import ChatTemplateError, render_chat
 from services.gateway import generation as g
+from services.gateway.chat_tools import (ToolPlan, answer_message, call_deltas, plan_tools, template_message,
+                                         tool_finish)
 from services.gateway.engines import EnginePool
-from services.gateway.request_fields import refuse_unsupported
-from services.gateway.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                                       ChatChunkChoice, ChatResponseMessage, DeltaMessage, UsageInfo)
 from services.gateway.logprobs import chat_logprobs
+from services.gateway.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                                       ChatChunkChoice, DeltaMessage, UsageInfo)
+from services.gateway.request_fields import refuse_unsupported
 from services.gateway.responses import event_stream, respond, sse, usage
+from services.gateway.structured_output import grammar_for_response_format
+from services.gateway.tool_parsers import ToolCallStream
 
 
 def _messages(req: ChatCompletionRequest) -> list[dict]:
@@ -24,64 +31,84 @@ def _messages(req: ChatCompletionRequest) -> list[dict]:
             raise g.RequestError(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
         msg = m.model_dump(exclude_none=True)
         msg["content"] = m.text()
-        out.append(msg)
+        out.append(template_message(msg))
     return out
 
 
-def prepare(pool: EnginePool, req: ChatCompletionRequest) -> g.Generation:
-    """Validate, template and tokenize; raises RequestError / EngineError (404 unknown model, 503)."""
+def prepare(pool: EnginePool, req: ChatCompletionRequest) -> tuple[g.Generation, ToolPlan]:
+    """Validate, plan tools, template and tokenize; raises RequestError / EngineError (404 unknown model, 503)."""
     refuse_unsupported(req)  # first: a refused field is the answer, whatever else is wrong
     engine = pool.pick(req.model)
     kwargs = dict(req.chat_template_kwargs or {})
+    tokenizer_config = engine.info.get("tokenizer_config") or {}
+    plan = plan_tools(req, tokenizer_config, engine.tokenizer)
     try:
-        prompt = render_chat(engine.info.get("tokenizer_config") or {}, _messages(req), add_generation_prompt=True,
-                             tools=req.tools, **kwargs)
+        prompt = render_chat(tokenizer_config, _messages(req), add_generation_prompt=True, tools=plan.tools,
+                             **kwargs)
     except ChatTemplateError as exc:
         raise g.RequestError(str(exc), "messages") from exc
     ids = engine.tokenizer.encode(prompt)
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = g.fit_max_tokens(engine, len(ids), asked, explicit=asked is not None)
     sampling = g.sampling_from_request(req, engine, max_tokens)
-    return g.Generation(engine, ids, sampling, g.stop_list(req.stop))
+    grammar = plan.grammar or grammar_for_response_format(req.response_format)
+    if grammar is not None:
+        sampling["grammar"] = grammar
+    return g.Generation(engine, ids, sampling, g.stop_list(req.stop)), plan
 
 
 async def create_chat_completion(pool: EnginePool, req: ChatCompletionRequest, is_disconnected=None):
-    gens = prepare(pool, req).choices(req.n or 1)
+    gen, plan = prepare(pool, req)
+    gens = gen.choices(req.n or 1)
     tokenizer = gens[0].engine.tokenizer
 
     def logprobs(gen: g.Generation, entries: list[dict] | None) -> dict | None:
         return chat_logprobs(entries or [], tokenizer) if gen.sampling.get("logprobs") is not None else None
 
+    def choice(x: g.Generation) -> ChatChoice:
+        message, finish = answer_message(plan, x.text, x.finish_reason)
+        return ChatChoice(index=x.index, message=message, logprobs=logprobs(x, x.logprobs), finish_reason=finish)
+
     def body(response_id: str) -> ChatCompletionResponse:
         return ChatCompletionResponse(id=response_id, model=req.model, usage=UsageInfo(**usage(gens)),
-                                      choices=[ChatChoice(index=x.index, message=ChatResponseMessage(content=x.text),
-                                                          logprobs=logprobs(x, x.logprobs),
-                                                          finish_reason=x.finish_reason) for x in gens])
+                                      choices=[choice(x) for x in gens])
 
     return await respond(pool, gens, req, "chatcmpl",
                          lambda streams, response_id, include_usage: _stream(
-                             gens, streams, req.model, response_id, include_usage, logprobs),
+                             gens, plan, streams, req.model, response_id, include_usage, logprobs),
                          body, is_disconnected)
 
 
-def _stream(gens: list[g.Generation], streams, model: str, response_id: str, include_usage: bool, logprobs):
+def _stream(gens: list[g.Generation], plan: ToolPlan, streams, model: str, response_id: str, include_usage: bool,
+            logprobs):
     created = int(time.time())
+    calls = {x.index: ToolCallStream(plan.parser, plan.parallel) for x in gens} if plan.parser else {}
 
     def chunk(index: int, delta: DeltaMessage, finish: str | None = None, lp: dict | None = None) -> str:
         c = ChatCompletionChunk(id=response_id, created=created, model=model,
                                 choices=[ChatChunkChoice(index=index, delta=delta, logprobs=lp, finish_reason=finish)])
         body = c.model_dump(exclude={"usage"})
-        body["choices"] = [{**ch, "delta": {k: v for k, v in ch["delta"].items() if v is not None}}
-                           for ch in body["choices"]]
+        body["choices"] = [{**ch, "delta": delta.model_dump(exclude_none=True)} for ch in body["choices"]]
         if include_usage:
             body["usage"] = None
         return sse(body)
 
     def events_of(gen: g.Generation, d: g.Delta):
-        if d.text or d.logprobs:
-            yield chunk(gen.index, DeltaMessage(content=d.text), lp=logprobs(gen, d.logprobs))
+        tools = calls.get(gen.index)
+        if tools is None:
+            if d.text or d.logprobs:
+                yield chunk(gen.index, DeltaMessage(content=d.text), lp=logprobs(gen, d.logprobs))
+            if d.finish_reason:
+                yield chunk(gen.index, DeltaMessage(), d.finish_reason)
+            return
+        content, done = tools.feed(d.text, final=d.finish_reason is not None)
+        if content or d.logprobs:
+            yield chunk(gen.index, DeltaMessage(content=content), lp=logprobs(gen, d.logprobs))
+        for i, call in enumerate(done):
+            for delta in call_deltas(plan.parser, call, tools.sent - len(done) + i):
+                yield chunk(gen.index, delta)
         if d.finish_reason:
-            yield chunk(gen.index, DeltaMessage(), d.finish_reason)
+            yield chunk(gen.index, DeltaMessage(), tool_finish(d.finish_reason) if tools.sent else d.finish_reason)
 
     def usage_chunk() -> dict:
         return ChatCompletionChunk(id=response_id, created=created, model=model, choices=[],

@@ -33,7 +33,7 @@ SAMPLES = {
     "presence_penalty": 0.5, "prompt_cache_key": "k1", "prompt_cache_options": {"mode": "x"},
     "prompt_cache_retention": "24h", "reasoning_effort": "low", "response_format": {"type": "json_object"},
     "safety_identifier": "user-1", "seed": 7, "service_tier": "flex", "stop": ["\n\n"], "store": True,
-    "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.7, "tool_choice": "required",
+    "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.7, "tool_choice": "auto",
     "tools": [TOOL], "top_logprobs": 2, "top_p": 0.9, "user": "user-1", "verbosity": "low",
     "web_search_options": {}, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 2,
     "ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}, "best_of": 2, "echo": True,
@@ -74,7 +74,7 @@ def test_docs_table_matches_the_code(section, table):
 
 @pytest.fixture(scope="module")
 def server(serve_process):
-    return serve_process("--model", "demo", "--max-seq-len", "256")
+    return serve_process("--model", "demo", "--max-seq-len", "512")  # a tools prompt is ~380 tokens
 
 
 def _post(server, path: str, body: dict) -> httpx.Response:
