@@ -17,7 +17,8 @@ from services.gateway.tool_parsers import PARSERS, ToolCallStream, parser_for
 QWEN3 = ('<think>\n\n</think>\n\nLet me check both cities.\n<tool_call>\n{"name": "get_weather", "arguments": '
          '{"city": "Paris", "unit": "celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": '
          '{"city": "Zürich", "unit": "celsius"}}\n</tool_call>')
-MIXTRAL = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "add", "arguments": {"a": 1}}]'
+MIXTRAL = ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+           '{"name": "add", "arguments": {"a": 1}}]')
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
              "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
              "required": ["city"], "additionalProperties": False}}},
@@ -39,8 +40,8 @@ def test_qwen3_output_parses_into_calls():
     assert PARSERS["hermes"].parse(only_call)[0] is None
 
 
-MALFORMED = ["Just text, no call.", "<tool_call>\n{not json}\n</tool_call>", '<tool_call>\n{"arguments": {}}\n</tool_call>',
-             "<tool_call>\n{\"name\": \"f\""]
+MALFORMED = ["Just text, no call.", "<tool_call>\n{not json}\n</tool_call>",
+             '<tool_call>\n{"arguments": {}}\n</tool_call>', "<tool_call>\n{\"name\": \"f\""]
 
 
 @pytest.mark.parametrize("text", MALFORMED)
