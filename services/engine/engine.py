@@ -209,6 +209,7 @@ class Engine:
         dtype = getattr(torch, cfg.dtype.value)
         self.grammars = GrammarCompiler(self._info["tokenizer_json"], self.loaded.spec.vocab_size,
                                         self._info["eos_token_ids"])
+        self.grammars.warm_in_background()
         self.runner = ModelRunner(self.loaded, cfg.max_running_requests, cfg.max_seq_len, device, dtype,
                                   backend_name=cfg.moe_backend.value, eos_token_ids=self._info["eos_token_ids"],
                                   masks=TokenMasks(self.grammars.mask_vocab))
