@@ -9,7 +9,8 @@
                                  (sampling.grammar: {"json_schema": {...}} | {"lark": "..."} constrains
                                  the output; one that does not compile is a 400 naming why)
                                  a client that disconnects aborts the request (its KV slot is freed)
-    POST /engine/v1/abort        {request_id}
+    POST /engine/v1/abort        {request_id[, finish_reason: "abort" (default) | "stop"]} ("stop": the
+                                 gateway ended it on a stop string; counted as a finish, not an abort)
     GET  /engine/v1/stats        JSON (throughput, running/waiting, KV use, expert-cache counters, VRAM)
     POST /engine/v1/reload-profile
 
@@ -142,7 +143,12 @@ def create_control_router(engine: Engine, dependencies: list | None = None) -> A
         body = await _json_body(request)
         if isinstance(body, JSONResponse):
             return body
-        engine.abort(str(body.get("request_id", "")))
+        if not isinstance(body, dict):
+            return JSONResponse(error_body("abort body must be a JSON object", "invalid_request_error", 400), 400)
+        try:  # finish_reason "stop": the gateway ended the request on a stop string (a finish, not an abort)
+            engine.abort(str(body.get("request_id", "")), body.get("finish_reason", "abort"))
+        except ValueError as exc:
+            return JSONResponse(error_body(str(exc), "invalid_request_error", 400, "finish_reason"), 400)
         return {"aborted": body.get("request_id")}
 
     @app.post(PREFIX + "/reload-profile")

@@ -239,19 +239,34 @@ class Engine:
                 self.drain()  # calls and aborts meet a model with nothing in flight
             for item in items:
                 if item[0] == "abort":
-                    req = self.scheduler.abort(item[1])
-                    if req is not None:
-                        self._totals["requests_aborted"] += 1
-                        self.metrics.observe_request_finished(time.monotonic() - req.arrival_time, "abort")
+                    self._abort(*item[1:])
                 elif item[0] == "call":
                     _, fn, done = item
                     try:
                         done(fn(), None)
                     except Exception as exc:
                         done(None, exc)
+            if any(item[0] == "abort" for item in items):
+                self._observe_queues()  # no step may follow (all gone): the gauges must not stay stale
             self.step()
         self.drain()
         self.scheduler.abort_all("shutdown")
+
+    def _abort(self, request_id: str, reason: str = "abort") -> None:
+        """Drop a request. ``reason`` "stop": the gateway ended it on a stop string, a normal finish
+        (counted as finished with reason stop); "abort": the client went away or asked."""
+        req = self.scheduler.abort(request_id)
+        if req is None:
+            return
+        if reason == "stop":
+            self._totals["requests_finished"] += 1
+        else:
+            self._totals["requests_aborted"] += 1
+        self.metrics.observe_request_finished(time.monotonic() - req.arrival_time, reason)
+
+    def _observe_queues(self) -> None:
+        sched = self.scheduler.stats()
+        self.metrics.observe_step(sched["running"], sched["waiting"], sched["kv_usage"])
 
     def step(self) -> None:
         """Launch the next forward, then finish the one before it (tokens to the host, stop checks, streams).
@@ -302,7 +317,8 @@ class Engine:
     def _forward_failed(self, batch) -> None:
         log.exception("forward failed for %d requests; aborting them", len(batch.requests))
         for req in batch.requests:  # each stream ends with finish_reason "abort" (the gateway: 500)
-            self.scheduler.abort(req.request_id)
+            self._abort(req.request_id)
+        self._observe_queues()
 
     def _finish(self, done) -> None:
         batch = done.batch
@@ -424,9 +440,12 @@ class Engine:
             self._cond.notify()
         return stream
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Drop a request on the model thread; ``reason`` "stop" when the gateway's stop string ended it."""
+        if reason not in ("abort", "stop"):
+            raise ValueError(f"finish_reason of an abort must be 'abort' or 'stop', got {reason!r}")
         with self._cond:
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(("abort", request_id, reason))
             self._cond.notify()
 
     async def call(self, fn: Callable[[], Any]) -> Any:

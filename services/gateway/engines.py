@@ -60,7 +60,7 @@ class EngineClient(Protocol):
     async def info(self) -> dict: ...
     async def stats(self) -> dict: ...
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: dict) -> GenerateStream: ...
-    async def abort(self, request_id: str) -> None: ...
+    async def abort(self, request_id: str, finish_reason: str = "abort") -> None: ...
     async def reload_profile(self) -> dict: ...
     async def close(self) -> None: ...
 
@@ -132,9 +132,10 @@ class HttpEngineClient:
             raise EngineError.from_response(r.status_code, _json_or_none(r), dict(r.headers))
         return _HttpStream(r)
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, finish_reason: str = "abort") -> None:
+        body = {"request_id": request_id, **({"finish_reason": finish_reason} if finish_reason != "abort" else {})}
         try:
-            await self._client.post("/engine/v1/abort", json={"request_id": request_id}, timeout=self._timeout_s)
+            await self._client.post("/engine/v1/abort", json=body, timeout=self._timeout_s)
         except httpx.HTTPError:
             pass  # the engine is gone: nothing left to abort
 
@@ -196,8 +197,8 @@ class InProcessEngineClient:
 
         return _InProcessStream(self._call(submit))
 
-    async def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
+    async def abort(self, request_id: str, finish_reason: str = "abort") -> None:
+        self.engine.abort(request_id, finish_reason)
 
     async def reload_profile(self) -> dict:
         try:

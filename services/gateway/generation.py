@@ -183,6 +183,8 @@ async def deltas(gen: Generation, stream) -> AsyncIterator[Delta]:
                 tail, matched = stops.feed(detok.finish())
                 delta += tail if matched else tail + stops.flush()
             if matched:
+                if finish is None:  # still generating there: tell the engine it finished, not aborted
+                    await engine.client.abort(gen.request_id, "stop")
                 finish = "stop"
             if finish is not None:
                 gen.finish_reason = finish

@@ -99,6 +99,7 @@ class ModelRunner:
         ``after``: the step before, whose sampled tokens (still on the device) are this batch's input
         ids, row for row (a chained batch, ``Scheduler.continue_batch``). On CUDA the tokens are copied
         to pinned memory behind the sampling, and ``collect`` waits for that copy alone."""
+        launched_at = time.perf_counter()  # before the forward: on the CPU it runs right here, synchronously
         ids = after.tokens if after is not None else None  # [N] on the device
         for src, dst, n in batch.kv_copies:  # prefix-cache hits held by another slot
             self.kv.copy_prefix(src, dst, n)
@@ -108,7 +109,7 @@ class ModelRunner:
         if logits is None:
             logits = self.forward_eager(batch, ids)
         rows = [i for i, s in enumerate(batch.samples) if s]
-        step = LaunchedStep(batch, rows)
+        step = LaunchedStep(batch, rows, launched_at=launched_at)
         if not rows:  # every row a mid-prompt chunk
             return step
         reqs = [batch.requests[i] for i in rows]
