@@ -79,6 +79,8 @@ E2E = Histogram("tandem_e2e_request_latency_seconds", "Time from request arrival
                 buckets=[0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                          50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0])
 PROMPT_TOKENS = Counter("tandem_prompt_tokens_total", "Prompt tokens prefilled.", _M)
+PROMPT_TOKENS_CACHED = Counter("tandem_prompt_tokens_cached_total",
+                               "Prompt tokens taken from the prefix cache instead of prefilled.", _M)
 GENERATION_TOKENS = Counter("tandem_generation_tokens_total", "Tokens generated.", _M)
 REQUESTS_RUNNING = Gauge("tandem_num_requests_running", "Requests in the running batch.", _M)
 REQUESTS_WAITING = Gauge("tandem_num_requests_waiting", "Requests queued for a batch slot.", _M)
@@ -108,7 +110,7 @@ class EngineMetrics:
         self._last: dict[tuple[str, str], float] = {}  # (stats key, layer) -> last cumulative value
         self._lock = threading.Lock()  # two concurrent scrapes must not both add the same delta
         # Create the label children now so every series exists (value 0) from the first scrape on.
-        for counter in (PROMPT_TOKENS, GENERATION_TOKENS):
+        for counter in (PROMPT_TOKENS, PROMPT_TOKENS_CACHED, GENERATION_TOKENS):
             counter.labels(model_name)
         for hist in (TTFT, INTER_TOKEN, E2E):
             hist.labels(model_name)
@@ -118,7 +120,7 @@ class EngineMetrics:
             REQUEST_SUCCESS.labels(model_name, reason)
 
     def observe_step(self, num_running: int, num_waiting: int, kv_cache_usage: float,
-                     prompt_tokens: int = 0, generation_tokens: int = 0) -> None:
+                     prompt_tokens: int = 0, generation_tokens: int = 0, cached_tokens: int = 0) -> None:
         """After one scheduler step: queue sizes, KV use (0..1), tokens prefilled/generated in the step."""
         m = self.model_name
         REQUESTS_RUNNING.labels(m).set(num_running)
@@ -126,6 +128,8 @@ class EngineMetrics:
         KV_USAGE.labels(m).set(kv_cache_usage)
         if prompt_tokens:
             PROMPT_TOKENS.labels(m).inc(prompt_tokens)
+        if cached_tokens:
+            PROMPT_TOKENS_CACHED.labels(m).inc(cached_tokens)
         if generation_tokens:
             GENERATION_TOKENS.labels(m).inc(generation_tokens)
 

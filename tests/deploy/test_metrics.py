@@ -75,12 +75,14 @@ def test_serving_metrics_and_exposition():
     model = fresh("m")
     metrics = EngineMetrics(model)
     assert value("tandem_generation_tokens_total", model_name=model) == 0  # series exist before traffic
-    metrics.observe_step(num_running=2, num_waiting=1, kv_cache_usage=0.25, prompt_tokens=11, generation_tokens=2)
+    metrics.observe_step(num_running=2, num_waiting=1, kv_cache_usage=0.25, prompt_tokens=11, generation_tokens=2,
+                         cached_tokens=4)
     metrics.observe_step(num_running=1, num_waiting=0, kv_cache_usage=0.5, generation_tokens=1)
     metrics.observe_first_token(0.03)
     metrics.observe_inter_token(0.02)
     metrics.observe_request_finished(e2e_seconds=0.7, finish_reason="length")
     assert value("tandem_prompt_tokens_total", model_name=model) == 11
+    assert value("tandem_prompt_tokens_cached_total", model_name=model) == 4
     assert value("tandem_generation_tokens_total", model_name=model) == 3
     assert value("tandem_num_requests_running", model_name=model) == 1
     assert value("tandem_kv_cache_usage_ratio", model_name=model) == 0.5

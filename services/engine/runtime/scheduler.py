@@ -113,6 +113,7 @@ class ScheduledBatch:
     query_lens: list[int]  # [N]
     # (source slot, destination slot, tokens): K/V prefixes the runner copies before the forward, in order
     kv_copies: list[tuple[int, int, int]] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens of the requests admitted in this step taken from the prefix cache
 
     @property
     def num_tokens(self) -> int:
@@ -178,9 +179,11 @@ class Scheduler:
                 chunks.append((req, n))
                 budget -= n
         kv_copies: list[tuple[int, int, int]] = []
+        admitted: list[Request] = []
         while self.waiting and self.free_slots and budget > 0:
             req = self.waiting.popleft()
             self._admit(req, kv_copies)
+            admitted.append(req)
             self.running.append(req)
             n = min(len(req.prompt_token_ids) - req.num_computed, budget)
             chunks.append((req, n))
@@ -188,7 +191,8 @@ class Scheduler:
         decoding = [r for r in self.running if not r.prefilling]
         if not chunks and not decoding:
             return None
-        batch = ScheduledBatch([r for r, _ in chunks] + decoding, len(chunks), [], [], [], [], [], kv_copies)
+        batch = ScheduledBatch([r for r, _ in chunks] + decoding, len(chunks), [], [], [], [], [], kv_copies,
+                               sum(r.num_cached for r in admitted))
         for req, n in chunks:
             start = req.num_computed
             batch.input_ids += req.prompt_token_ids[start:start + n]
