@@ -60,7 +60,50 @@ def _olmoe():
     return OlmoeForCausalLM, cfg, None
 
 
-ARCHS = {"qwen3_moe": _qwen3, "qwen2_moe": _qwen2, "mixtral": _mixtral, "olmoe": _olmoe}
+def _gpt_oss():
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    # gpt-oss's real rope (YaRN, factor 32) and alpha; a sliding window of 4 on layers 0 and 2 (layer 1 full),
+    # shorter than prompt + continuation; swiglu_limit 1 (not 7) so the clamp bites at these weight scales.
+    # Experts are rewritten in the Hub's MXFP4 layout after saving (_to_hub_mxfp4).
+    cfg = GptOssConfig(**{**COMMON, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5}, head_dim=16, num_hidden_layers=3,
+                       num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=4,
+                       swiglu_limit=1.0,
+                       rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                        "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096})
+    return GptOssForCausalLM, cfg, None
+
+
+ARCHS = {"qwen3_moe": _qwen3, "qwen2_moe": _qwen2, "mixtral": _mixtral, "olmoe": _olmoe, "gpt_oss": _gpt_oss}
+
+
+def _to_hub_mxfp4(d: Path) -> torch.nn.Module:
+    """Rewrite the gpt-oss checkpoint in ``d`` as the Hub publishes it: experts as MXFP4 blocks/scales (our
+    quantizer), ``quantization_config.quant_method: mxfp4``. Returns the reference: transformers' own load
+    of that checkpoint with its MXFP4 quantizer in dequantize mode (fp32, CPU)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import GptOssForCausalLM, Mxfp4Config
+
+    from services.engine.models import mxfp4
+
+    path = d / "model.safetensors"
+    sd = load_file(path)
+    for name in [n for n in sd if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4.quantize(sd.pop(name).transpose(1, 2))  # [E, out, in] rows, blocks along in
+        sd[name + "_blocks"], sd[name + "_scales"] = blocks, scales
+    save_file(sd, path, metadata={"format": "pt"})
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    hf = GptOssForCausalLM.from_pretrained(d, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32)
+    hf.config._attn_implementation = "eager"
+    return hf.eval()
+
+
+POST_SAVE = {"gpt_oss": _to_hub_mxfp4}  # architectures whose Hub layout differs from save_pretrained's
 
 
 @dataclass
@@ -77,8 +120,8 @@ def _randomize_(model: torch.nn.Module, seed: int) -> None:
             noise = torch.randn(p.shape, generator=g)
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * noise)
-            elif name.endswith("gate.weight") and "experts" not in name:
-                p.copy_(noise)  # routers (and Qwen2's shared_expert_gate): decisive top-k
+            elif (name.endswith(("gate.weight", "router.weight")) and "experts" not in name) or name.endswith("sinks"):
+                p.copy_(noise)  # routers (and Qwen2's shared_expert_gate): decisive top-k; gpt-oss sinks
             else:
                 p.copy_(0.1 * noise)
 
@@ -94,6 +137,8 @@ def hf_checkpoints(tmp_path_factory) -> dict[str, HFCheckpoint]:
         _randomize_(model, seed)
         d = tmp_path_factory.mktemp(name)
         model.save_pretrained(d, **({"max_shard_size": shard} if shard else {}))
+        if name in POST_SAVE:
+            model = POST_SAVE[name](d)
         write_tokenizer_files(d)
         out[name] = HFCheckpoint(name, d, model)
     return out

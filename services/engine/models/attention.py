@@ -48,13 +48,16 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(H * Dh, spec.rms_norm_eps)
             self.k_norm = RMSNorm(K * Dh, spec.rms_norm_eps)
         self.clip_qkv = spec.clip_qkv
-        self.window = spec.sliding_window  # None = full causal attention
+        self.window = spec.window(layer)  # None = full causal attention
+        # gpt-oss: per query head a learned logit that joins every softmax and whose value is dropped
+        # (transformers' eager_attention_forward); computed as one extra key with K = V = 0 and bias = sink
+        self.sinks = nn.Parameter(torch.zeros(H)) if spec.traits.attention_sinks else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, kv: KVCache, decode_bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, D] · positions [T] · cos/sin [T, Dh] -> [T, D]; writes this layer's K/V into ``kv``.
         ``decode_bias`` [B, 1, 1, W] (decode steps; from ``decode_bias``, built once per step for all
-        layers) — computed here when None."""
+        layers; or a dict window -> bias when layers differ) — computed here when None."""
         T, H, K, Dh = x.shape[0], self.H, self.K, self.Dh
         qkv = self.qkv(x)  # [T, (H + 2K) * Dh]: one matmul
         if self.clip_qkv is None and self.qk_norm is not QKNorm.FULL:
@@ -80,7 +83,9 @@ class Attention(nn.Module):
         if self.clip_qkv is not None:
             v = v.clamp(-self.clip_qkv, self.clip_qkv)
         k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]  # [S, M, K, Dh]
-        if batch.is_decode:  # on CUDA one kernel: KV write + attention over the slot's cache in place
+        if batch.is_decode and self.sinks is not None:  # the Triton decode kernel has no sinks yet
+            o = self._decode(q, k, v, positions, batch, k_cache, v_cache, decode_bias)
+        elif batch.is_decode:  # on CUDA one kernel: KV write + attention over the slot's cache in place
             W = batch.kv_len or (max(batch.start_pos) + 1)
             o = fused.call("decode_attention", "decode_attention", "decode_attention", q, k, v, k_cache, v_cache,
                            batch.slot_tensor(q.device), positions, self.window or 0, W)  # [B, H, Dh]
@@ -100,7 +105,11 @@ class Attention(nn.Module):
             qs = q[off:off + n].transpose(0, 1)[None]  # [1, H, n, Dh]
             ks = k_cache[slot, :end].transpose(0, 1)[None]  # [1, K, end, Dh]
             vs = v_cache[slot, :end].transpose(0, 1)[None]  # [1, K, end, Dh]
-            if start == 0 and (self.window is None or end <= self.window):
+            if self.sinks is not None:
+                q_pos = torch.arange(start, end, device=q.device)
+                mask = self._mask(torch.arange(end, device=q.device)[None, :], q_pos[:, None])  # [n, end]
+                o = self._attend_with_sinks(qs, ks, vs, mask)
+            elif start == 0 and (self.window is None or end <= self.window):
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
             else:  # new tokens at positions [start, end) see keys [0, own position] (within the window)
                 q_pos = torch.arange(start, end, device=q.device)
@@ -109,6 +118,18 @@ class Attention(nn.Module):
             outs.append(o[0].transpose(0, 1))  # [n, H, Dh]
             off += n
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _attend_with_sinks(self, qs, ks, vs, mask) -> torch.Tensor:
+        """Prefill with sinks: qs [1, H, n, Dh] · ks/vs [1, K, W, Dh] · mask bool [n, W] -> [1, H, n, Dh].
+        The sink is key W: K = V = 0 (no value) and an additive bias of sinks[h], so the softmax is
+        transformers' softmax over [scores, sink] with the sink's share dropped."""
+        n, H = qs.shape[2], self.H
+        zero = ks.new_zeros(ks.shape[:2] + (1, ks.shape[3]))  # [1, K, 1, Dh]
+        ks, vs = torch.cat([ks, zero], dim=2), torch.cat([vs, zero], dim=2)  # [1, K, W + 1, Dh]
+        bias = torch.where(mask, 0.0, float("-inf")).to(qs.dtype)  # [n, W]
+        bias = torch.cat([bias[None].expand(H, n, -1), self.sinks.to(qs.dtype)[:, None, None].expand(H, n, 1)],
+                         dim=-1)  # [H, n, W + 1]
+        return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=bias[None], enable_gqa=True)
 
     def _mask(self, key_pos: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
         """Boolean attend-mask (broadcast of key_pos [1, W] and q_pos [n, 1]): causal, and within the
@@ -129,8 +150,15 @@ class Attention(nn.Module):
         vs = v_cache[:, :W][slots].transpose(1, 2)  # [B, K, W, Dh]
         if bias is None:
             bias = decode_bias(positions, W, self.window, q.dtype)
+        elif isinstance(bias, dict):  # one per window size (gpt-oss alternates sliding and full layers)
+            bias = bias[self.window]
         G = self.H // self.K
         qg = q.reshape(B, self.K, G, self.Dh)  # query head h = kv head (h // G), as transformers' repeat_kv
+        if self.sinks is not None:  # one more key, K = V = 0, bias sinks[h] (see _attend_with_sinks)
+            zero = ks.new_zeros((B, self.K, 1, self.Dh))
+            ks, vs = torch.cat([ks, zero], dim=2), torch.cat([vs, zero], dim=2)  # [B, K, W + 1, Dh]
+            sink = self.sinks.to(q.dtype).view(1, self.K, G, 1).expand(B, -1, -1, -1)  # [B, K, G, 1]
+            bias = torch.cat([bias.expand(B, self.K, G, W), sink], dim=-1)  # [B, K, G, W + 1]
         o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=bias)  # [B, K, G, Dh]
         return o.reshape(B, self.H, self.Dh)
 

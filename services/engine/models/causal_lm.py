@@ -71,7 +71,7 @@ class MoECausalLM(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = Rotary(spec.head_dim, spec.rope_theta)
+        self.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.rope_scaling)
 
     def moe_blocks(self) -> list[MoEBlock]:
         return [layer.ffn for layer in self.model.layers if isinstance(layer.ffn, MoEBlock)]
@@ -103,8 +103,10 @@ class MoECausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, h.dtype)  # [T, Dh] each
         bias = None
         if batch.is_decode and not fused.enabled(h, "decode_attention"):  # torch path: one bias for all layers
-            bias = decode_bias(positions, batch.kv_len or (max(batch.start_pos) + 1), self.spec.sliding_window,
-                               h.dtype)  # [B, 1, 1, W]
+            W = batch.kv_len or (max(batch.start_pos) + 1)
+            windows = set(self.spec.layer_windows) or {self.spec.sliding_window}
+            biases = {w: decode_bias(positions, W, w, h.dtype) for w in windows}  # each [B, 1, 1, W]
+            bias = biases if len(biases) > 1 else biases.popitem()[1]
         residual = None
         for layer in self.model.layers:
             h, residual = layer(h, residual, positions, cos, sin, batch, kv, bias)

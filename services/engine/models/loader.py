@@ -25,7 +25,8 @@ from tqdm import tqdm
 from services.common.logging import get_logger
 from services.engine.models.causal_lm import MoECausalLM
 from services.engine.models.errors import LoaderError
-from services.engine.models.spec import ModelSpec
+from services.engine.models import gpt_oss_experts
+from services.engine.models.spec import ExpertLayout, ModelSpec
 from services.engine.moe.banks import ExpertBanks, ExpertFormat
 
 __all__ = ["LoaderError", "load_checkpoint", "read_spec", "check_tokenizer", "check_weight_files", "build_empty_model"]
@@ -151,15 +152,18 @@ def load_checkpoint(model_dir: str | Path, device: torch.device, dtype: torch.dt
     ckpt = _Checkpoint(model_dir)
     model = build_empty_model(spec, torch.device(device), dtype)
     D, I, E = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
-    banks = ExpertBanks.allocate(ExpertFormat.UNQUANTIZED, spec.num_moe_layers, E, D, I, dtype)
+    banks = ExpertBanks.allocate(ExpertFormat.UNQUANTIZED, spec.num_moe_layers, E, D, I, dtype,
+                                 bias=spec.expert_bias, activation=spec.expert_activation)
+    gpt_oss = spec.traits.expert_layout is ExpertLayout.GPT_OSS
 
     params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
     if spec.tie_word_embeddings and "lm_head.weight" in ckpt:
         params.pop("model.embed_tokens.weight", None)  # prefer the explicit head; embed copied after
         params["lm_head.weight"] = model.lm_head.weight
-    fused = [layer for layer in spec.moe_layer_ids
-             if _expert_names(spec, layer, 0)[0] not in ckpt and _fused_names(spec, layer)[0] in ckpt]
-    total = len(params) + sum(2 if layer in fused else 3 * E for layer in spec.moe_layer_ids)
+    fused = [layer for layer in spec.moe_layer_ids if not gpt_oss
+             and _expert_names(spec, layer, 0)[0] not in ckpt and _fused_names(spec, layer)[0] in ckpt]
+    total = len(params) + (gpt_oss_experts.num_steps(spec) if gpt_oss else
+                           sum(2 if layer in fused else 3 * E for layer in spec.moe_layer_ids))
     bar = tqdm(total=total, desc=f"loading {model_dir.name}", unit="tensor", leave=False)
     done = 0
 
@@ -176,6 +180,9 @@ def load_checkpoint(model_dir: str | Path, device: torch.device, dtype: torch.dt
                 param.copy_(ckpt.get(name, tuple(param.shape)))
                 step()
             for ordinal, layer in enumerate(spec.moe_layer_ids):
+                if gpt_oss:  # fused Hub tensors, interleaved gate/up, biases; MXFP4 dequantized here
+                    gpt_oss_experts.load_layer(ckpt, spec, layer, banks.layers[ordinal], step)
+                    continue
                 gate_up = banks.layers[ordinal].tensors["gate_up"]  # [E, 2I, D]
                 down = banks.layers[ordinal].tensors["down"]  # [E, D, I]
                 if layer in fused:

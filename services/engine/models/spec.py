@@ -15,12 +15,18 @@ from dataclasses import dataclass, field
 import torch
 
 from services.engine.models.errors import LoaderError
+from services.engine.moe.reference import ClampedSwiGLU
 
 
 class QKNorm(str, enum.Enum):
     NONE = "none"
     PER_HEAD = "per_head"  # Qwen3: RMSNorm over Dh, one weight [Dh] shared by all heads
     FULL = "full"  # OLMoE: RMSNorm over the whole projection, weight [H*Dh] (q) / [K*Dh] (k)
+
+
+class ExpertLayout(str, enum.Enum):
+    PER_EXPERT = "per_expert"  # one [I, D] / [D, I] tensor per expert and projection (or the fused in-memory names)
+    GPT_OSS = "gpt_oss"  # fused [E, D, 2I] with gate/up in interleaved columns, [E, I, D] down, biases; or MXFP4
 
 
 class RouterNorm(str, enum.Enum):
@@ -45,6 +51,11 @@ class ArchTraits:
     expert_proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down names
     expert_intermediate_key: str = "moe_intermediate_size"  # I; Mixtral/OLMoE use intermediate_size
     default_norm_topk_prob: bool = False
+    router_name: str = "gate"  # gpt-oss: "router"
+    router_bias: bool = False  # gpt-oss: the router linear has a bias
+    attention_sinks: bool = False  # gpt-oss: a learned per-head logit in every softmax, its value dropped
+    layer_types: bool = False  # gpt-oss: config.layer_types says which layers use the sliding window
+    expert_layout: ExpertLayout = ExpertLayout.PER_EXPERT  # GPT_OSS: expert biases and the clamped SwiGLU too
 
 
 ARCHITECTURES: dict[str, ArchTraits] = {
@@ -55,7 +66,13 @@ ARCHITECTURES: dict[str, ArchTraits] = {
                           expert_proj=("w1", "w3", "w2"), expert_intermediate_key="intermediate_size"),
     "olmoe": ArchTraits(qk_norm=QKNorm.FULL, qkv_bias_key="attention_bias", clip_qkv=True,
                         expert_intermediate_key="intermediate_size"),
+    "gpt_oss": ArchTraits(qkv_bias_key="attention_bias", qkv_bias_default=True, router_norm=RouterNorm.ALWAYS,
+                          expert_intermediate_key="intermediate_size", router_name="router", router_bias=True,
+                          attention_sinks=True, layer_types=True, expert_layout=ExpertLayout.GPT_OSS),
 }
+
+SLIDING_LAYER = "sliding_attention"  # config.layer_types entry of a windowed layer (the other: "full_attention")
+SUPPORTED_ROPE = ("default", "yarn")
 
 # Older configs spell some keys differently; first present wins.
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
@@ -92,6 +109,10 @@ class ModelSpec:
     clip_qkv: float | None = None
     max_position_embeddings: int = 4096
     sliding_window: int | None = None  # a query at p sees keys (p - sliding_window, p]; None = all
+    layer_windows: tuple[int | None, ...] = ()  # per decoder layer: its sliding window (None = full attention)
+    rope_scaling: dict | None = field(default=None, compare=False)  # the 'yarn' rope parameters; None: default
+    expert_activation: ClampedSwiGLU | None = None  # gpt-oss; None: silu(gate) * up
+    expert_bias: bool = False  # routed experts have gate_up [E, 2I] and down [E, D] biases
     extra: dict = field(default_factory=dict, compare=False, repr=False)  # the raw config
 
     @property
@@ -102,6 +123,10 @@ class ModelSpec:
     def renormalize(self) -> bool:
         """Whether the top-k router weights are renormalised to sum to 1."""
         return self.traits.router_norm is RouterNorm.ALWAYS or self.norm_topk_prob
+
+    def window(self, layer: int) -> int | None:
+        """Decoder layer ``layer``'s sliding window (None: it attends to every earlier position)."""
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
 
     def moe_ordinal(self, layer: int) -> int | None:
         """MoE-layer ordinal (index into ExpertBanks.layers) of decoder layer ``layer``; None if dense."""
@@ -155,12 +180,14 @@ class ModelSpec:
         moe_layer_ids = _moe_layers(cfg, traits, num_layers)
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise LoaderError(f"{source}: rope_type {rope_type!r} is not supported (only 'default')")
+        if rope_type not in SUPPORTED_ROPE:
+            raise LoaderError(f"{source}: rope_type {rope_type!r} is not supported ({', '.join(SUPPORTED_ROPE)})")
         qkv_bias = bool(cfg.get(traits.qkv_bias_key, traits.qkv_bias_default)) if traits.qkv_bias_key else False
         if cfg.get("use_sliding_window"):  # Qwen's per-layer windows (max_window_layers): not implemented
             raise LoaderError(f"{source}: use_sliding_window=true is not supported")
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        window = int(cfg["sliding_window"]) if traits.sliding_window and cfg.get("sliding_window") else None
+        gpt_oss = traits.expert_layout is ExpertLayout.GPT_OSS
         return ModelSpec(
             model_type=model_type,
             traits=traits,
@@ -185,7 +212,12 @@ class ModelSpec:
             o_bias=qkv_bias and traits.o_bias,
             clip_qkv=cfg.get("clip_qkv") if traits.clip_qkv else None,
             max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
-            sliding_window=int(cfg["sliding_window"]) if traits.sliding_window and cfg.get("sliding_window") else None,
+            sliding_window=window,
+            layer_windows=_layer_windows(cfg, traits, num_layers, window, source),
+            rope_scaling=dict(rope) if rope_type == "yarn" else None,
+            expert_activation=ClampedSwiGLU(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0)))
+            if gpt_oss else None,
+            expert_bias=gpt_oss,
             extra=dict(cfg),
         )
 
@@ -198,6 +230,21 @@ def _moe_layers(cfg: dict, traits: ArchTraits, num_layers: int) -> tuple[int, ..
     dense = set(cfg.get("mlp_only_layers") or [])
     step = int(cfg.get("decoder_sparse_step") or 1)
     return tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+
+
+def _layer_windows(cfg: dict, traits: ArchTraits, num_layers: int, window: int | None,
+                   source: str) -> tuple[int | None, ...]:
+    """Per decoder layer, its window: from config.layer_types (gpt-oss; transformers' default when absent:
+    even layers sliding, odd layers full), else ``window`` for every layer."""
+    if not traits.layer_types:
+        return (window,) * num_layers
+    types = cfg.get("layer_types") or [SLIDING_LAYER if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+    if len(types) != num_layers:
+        raise LoaderError(f"{source}: layer_types has {len(types)} entries for {num_layers} layers")
+    size = cfg.get("sliding_window")
+    if any(t == SLIDING_LAYER for t in types) and not size:
+        raise LoaderError(f"{source}: layer_types has sliding layers but sliding_window is not set")
+    return tuple(int(size) if t == SLIDING_LAYER else None for t in types)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

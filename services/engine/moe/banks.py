@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from services.common.logging import get_logger
+from services.engine.moe.reference import ClampedSwiGLU
 
 log = get_logger("moe.banks")
 
@@ -49,6 +50,12 @@ BANK_SCHEMAS: dict[ExpertFormat, tuple[BankSpec, ...]] = {
     ),
 }
 
+# Experts with biases (gpt-oss) have these banks too, whatever the weight format; in the model dtype.
+BIAS_BANKS: tuple[BankSpec, ...] = (
+    BankSpec("gate_up_bias", lambda D, I: (2 * I,)),  # [0, I) gate, [I, 2I) up, like the gate_up rows
+    BankSpec("down_bias", lambda D, I: (D,)),
+)
+
 
 @dataclass
 class LayerBanks:
@@ -61,6 +68,13 @@ class LayerBanks:
     def num_experts(self) -> int:
         return next(iter(self.tensors.values())).shape[0]
 
+    @property
+    def bias(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(gate_up_bias [E, 2I], down_bias [E, D]) when the experts have biases, else None."""
+        if "gate_up_bias" not in self.tensors:
+            return None
+        return self.tensors["gate_up_bias"], self.tensors["down_bias"]
+
     def expert_nbytes(self) -> int:
         """Bytes of one expert across all banks (what one fetch moves)."""
         return sum(t[0].numel() * t.element_size() for t in self.tensors.values())
@@ -71,23 +85,31 @@ class ExpertBanks:
     """All MoE layers' banks, indexed by MoE-layer ordinal (dense layers have none)."""
 
     layers: list[LayerBanks] = field(default_factory=list)
+    activation: ClampedSwiGLU | None = None  # gpt-oss's clamped SwiGLU; None: silu(gate) * up
 
     @staticmethod
     def allocate(fmt: ExpertFormat, num_layers: int, E: int, D: int, I: int, dtype: torch.dtype,
-                 pin: bool = False) -> "ExpertBanks":
+                 pin: bool = False, bias: bool = False, activation: ClampedSwiGLU | None = None) -> "ExpertBanks":
         """Empty host banks to be filled by a loader (``host_bank`` memory; pinned now with ``pin``, else
-        later by pin_banks, in place)."""
+        later by pin_banks, in place). ``bias``: add the BIAS_BANKS."""
         layers = []
+        schema = BANK_SCHEMAS[fmt] + (BIAS_BANKS if bias else ())
         for _ in range(num_layers):
-            tensors = {s.name: host_bank((E, *s.shape(D, I)), s.dtype or dtype) for s in BANK_SCHEMAS[fmt]}
+            tensors = {s.name: host_bank((E, *s.shape(D, I)), s.dtype or dtype) for s in schema}
             layers.append(LayerBanks(fmt, tensors))
-        banks = ExpertBanks(layers)
+        banks = ExpertBanks(layers, activation)
         if pin:
             pin_banks(banks)
         return banks
 
     def expert_nbytes(self) -> int:
         return self.layers[0].expert_nbytes() if self.layers else 0
+
+    @property
+    def plain_swiglu(self) -> bool:
+        """True when the experts are bias-free ``silu(gate) * up`` (what the Triton GEMV and the CPU
+        executor compute); gpt-oss's are not."""
+        return self.activation is None and not (self.layers and self.layers[0].bias is not None)
 
     def total_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors.values())

@@ -4,7 +4,7 @@ Legend: T tokens · E experts · A experts per token · D hidden.
 
 The block owns only the router (and the shared expert); routed expert weights live in the banks and
 are computed by whichever ExpertBackend the engine attached (resident, offload, cpu, hybrid). Tensor
-names match the Hub (``<prefix>.gate.weight``, ``<prefix>.shared_expert.*``, ``shared_expert_gate``).
+names match the Hub (``<prefix>.gate.weight`` or gpt-oss's ``mlp.router.weight``/``bias``, ``<prefix>.shared_expert.*``, ``shared_expert_gate``).
 """
 
 from __future__ import annotations
@@ -43,16 +43,24 @@ class MoEBlock(nn.Module):
         self.moe_layer = moe_layer  # ordinal into ExpertBanks.layers
         self.top_k = spec.top_k
         self.renormalize = spec.renormalize
-        self.gate = nn.Linear(D, E, bias=False)  # router
+        self.router_name = spec.traits.router_name  # the Hub's name: "gate", gpt-oss "router"
+        self.add_module(self.router_name, nn.Linear(D, E, bias=spec.traits.router_bias))
         self.has_shared = spec.traits.shared_expert and spec.shared_expert_intermediate_size > 0
         if self.has_shared:
             self.shared_expert = DenseMLP(D, spec.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(D, 1, bias=False)
         self.backend: ExpertBackend | None = None  # attached by MoECausalLM.set_backend
 
+    @property
+    def router_linear(self) -> nn.Linear:
+        """The router linear [E, D] (+ bias [E] for gpt-oss)."""
+        return self._modules[self.router_name]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
-        topk_weights, topk_ids = route(fused.linear(x, self.gate.weight), self.top_k, self.renormalize)  # [T, A] fp32, int64
+        router = self.router_linear
+        topk_weights, topk_ids = route(fused.linear(x, router.weight, router.bias), self.top_k,
+                                       self.renormalize)  # [T, A] fp32, int64
         if self.backend is None:
             raise RuntimeError("MoEBlock has no expert backend; call MoECausalLM.set_backend(...) first")
         out = self.backend.forward(self.moe_layer, x, topk_ids, topk_weights)  # [T, D]

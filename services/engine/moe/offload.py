@@ -56,6 +56,9 @@ class OffloadBackend:
                                  lfu=ctx.config.moe_cache_policy is CachePolicy.LFU,
                                  use_cap=ctx.config.moe_cache_lfu_cap)
         self.prefetch = make_prefetch(ctx, self.cache)
+        self.act = banks.activation  # gpt-oss: clamped SwiGLU, and bias banks mirrored in the slots too
+        slots = self.cache.slot_banks
+        self.bias = (slots["gate_up_bias"], slots["down_bias"]) if "gate_up_bias" in slots else None  # [S, 2I], [S, D]
 
     def prefetching(self, topk_ids: torch.Tensor) -> NextLayerPrefetch | None:
         """The prefetcher when this step may use it: decode-sized (T*A <= GATHER_MAX_ROUTES) and slot-safe."""
@@ -76,7 +79,7 @@ class OffloadBackend:
             if prefetch is not None:
                 prefetch.wait(moe_layer)  # this layer's prefetched experts have landed
                 prefetch.issue(moe_layer, hidden)  # the next layer's copy runs while this one computes
-            part = compute(hidden, slot_ids, topk_weights, gate_up, down)  # [T, D]
+            part = compute(hidden, slot_ids, topk_weights, gate_up, down, self.act, self.bias)  # [T, D]
             out = part if out is None else out + part
         return out
 

@@ -75,7 +75,7 @@ def next_layer_predictors(model) -> list[torch.Tensor]:
         for l in range(len(blocks) - 1):
             w_here, w_next = norms[l].float(), norms[l + 1].float()
             ratio = torch.where(w_here != 0, w_next / torch.where(w_here != 0, w_here, 1.0), 0.0)  # [D]
-            router = blocks[l + 1].gate.weight  # [E, D]
+            router = blocks[l + 1].router_linear.weight  # [E, D]
             out.append((router.float() * ratio).to(router.dtype).contiguous())
     return out
 

@@ -19,12 +19,11 @@ Ways to compute the routed experts, same maths as ``moe_reference`` (``moe_compu
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from services.common.logging import get_logger
 from services.engine.config import MoEBackend
 from services.engine.moe.backends import BackendContext, register_backend
-from services.engine.moe.reference import expert_swiglu
+from services.engine.moe.reference import ClampedSwiGLU, expert_swiglu, glu
 
 log = get_logger("resident")
 
@@ -33,9 +32,11 @@ PREFILL_GEMV_MAX_ROUTES = 2048  # R at or below this (256 tokens at top-8) also 
 
 
 def moe_grouped(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+                gate_up: torch.Tensor, down: torch.Tensor, act: ClampedSwiGLU | None = None,
+                bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """hidden [T, D] · topk_ids [T, A] (-1 = skip) · topk_weights [T, A] · gate_up [E, 2I, D] ·
-    down [E, D, I] -> [T, D] (fp32 accumulation, returned in hidden's dtype)."""
+    down [E, D, I] · act / bias (gate_up_bias [E, 2I], down_bias [E, D]): gpt-oss experts, as
+    ``moe_reference`` -> [T, D] (fp32 accumulation, returned in hidden's dtype)."""
     T, A = topk_ids.shape
     E = gate_up.shape[0]
     flat = topk_ids.reshape(-1)  # [R]
@@ -50,25 +51,30 @@ def moe_grouped(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
             continue
         routes = order[pos:pos + n]  # [n]
         tok = routes // A  # [n]
-        y = expert_swiglu(hidden[tok], gate_up[e], down[e])  # [n, D]
+        b_gu, b_d = (bias[0][e], bias[1][e]) if bias is not None else (None, None)
+        y = expert_swiglu(hidden[tok], gate_up[e], down[e], act, b_gu, b_d)  # [n, D]
         out.index_add_(0, tok, y.float() * weights[routes, None].float())
         pos += n
     return out.to(hidden.dtype)
 
 
 def moe_gathered(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+                 gate_up: torch.Tensor, down: torch.Tensor, act: ClampedSwiGLU | None = None,
+                 bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Same contract as ``moe_grouped``; no host sync (CUDA-graph capturable)."""
     T, A = topk_ids.shape
-    I = down.shape[2]
     flat = topk_ids.reshape(-1)  # [R]
     valid = flat >= 0
     ids = flat.clamp(min=0)  # skipped routes compute expert 0 with weight 0
     w = torch.where(valid, topk_weights.reshape(-1).float(), 0.0)  # [R]
     x = hidden[:, None, :].expand(T, A, hidden.shape[1]).reshape(T * A, 1, -1)  # [R, 1, D] (no sync)
     h = torch.bmm(x, gate_up[ids].transpose(1, 2))  # [R, 1, 2I]
-    a = F.silu(h[..., :I]) * h[..., I:]  # [R, 1, I]
+    if bias is not None:
+        h = h + bias[0][ids][:, None, :]
+    a = glu(h, act)  # [R, 1, I]
     y = torch.bmm(a, down[ids].transpose(1, 2))[:, 0]  # [R, D]
+    if bias is not None:
+        y = y + bias[1][ids]
     return (y.float() * w[:, None]).view(T, A, -1).sum(dim=1).to(hidden.dtype)  # [T, D]
 
 
@@ -83,9 +89,12 @@ class DecodeKernel:
         self.kind = kind
         self._gemv = None
 
-    def __call__(self, hidden, topk_ids, topk_weights, gate_up, down) -> torch.Tensor:
+    def __call__(self, hidden, topk_ids, topk_weights, gate_up, down, act: ClampedSwiGLU | None = None,
+                 bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         # past decode sizes the torch fallback would gather R experts' weights (GBs): group instead
         fallback = moe_gathered if topk_ids.numel() <= GATHER_MAX_ROUTES else moe_grouped
+        if act is not None or bias is not None:  # gpt-oss experts: the Triton GEMV has no biases / clamp yet
+            return fallback(hidden, topk_ids, topk_weights, gate_up, down, act, bias)
         if self.kind == "triton":
             try:
                 if self._gemv is None:
@@ -105,13 +114,17 @@ moe_decode = DecodeKernel()  # shared by backends that compute experts on the GP
 
 
 def moe_compute(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor) -> torch.Tensor:
+                down: torch.Tensor, act: ClampedSwiGLU | None = None,
+                bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The routed experts of a step by the cheapest way for its size (module docstring): the GEMV kernels on
-    CUDA up to PREFILL_GEMV_MAX_ROUTES routes, the grouped loop beyond and on the CPU."""
+    CUDA up to PREFILL_GEMV_MAX_ROUTES routes, the grouped loop beyond and on the CPU. ``act`` / ``bias``:
+    gpt-oss experts (torch paths only for now: gather+bmm for decode, the grouped loop beyond)."""
     R = topk_ids.numel()
-    if hidden.is_cuda and (R <= GATHER_MAX_ROUTES or (R <= PREFILL_GEMV_MAX_ROUTES and moe_decode.kind == "triton")):
-        return moe_decode(hidden, topk_ids, topk_weights, gate_up, down)
-    return moe_grouped(hidden, topk_ids, topk_weights, gate_up, down)
+    plain = act is None and bias is None
+    if hidden.is_cuda and (R <= GATHER_MAX_ROUTES or (R <= PREFILL_GEMV_MAX_ROUTES and moe_decode.kind == "triton"
+                                                      and plain)):
+        return moe_decode(hidden, topk_ids, topk_weights, gate_up, down, act, bias)
+    return moe_grouped(hidden, topk_ids, topk_weights, gate_up, down, act, bias)
 
 
 class ResidentBackend:
@@ -121,13 +134,17 @@ class ResidentBackend:
         self.device = ctx.device
         self.gate_up = [layer.tensors["gate_up"].to(ctx.device, ctx.dtype) for layer in ctx.banks.layers]
         self.down = [layer.tensors["down"].to(ctx.device, ctx.dtype) for layer in ctx.banks.layers]
+        self.bias = [None if layer.bias is None else tuple(t.to(ctx.device, ctx.dtype) for t in layer.bias)
+                     for layer in ctx.banks.layers]  # gpt-oss: (gate_up_bias [E, 2I], down_bias [E, D])
+        self.act = ctx.banks.activation
         self.decode = moe_decode
         self.nbytes = sum(t.numel() * t.element_size() for t in (*self.gate_up, *self.down))
 
     def forward(self, moe_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         """hidden [T, D] · topk_ids [T, A] · topk_weights [T, A] -> [T, D]."""
-        return moe_compute(hidden, topk_ids, topk_weights, self.gate_up[moe_layer], self.down[moe_layer])
+        return moe_compute(hidden, topk_ids, topk_weights, self.gate_up[moe_layer], self.down[moe_layer], self.act,
+                           self.bias[moe_layer])
 
     def stats(self) -> dict:
         return {"backend": MoEBackend.RESIDENT.value, "expert_bytes_on_device": self.nbytes,

@@ -13,7 +13,7 @@ from services.engine.models.registry import load_model
 from services.engine.runtime.kv_cache import ForwardBatch, KVCache
 from tests.helpers import greedy_generate, hf_greedy, hf_last_logits, tolerance
 
-ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss"]
 PROMPT = [3, 17, 42, 5, 99, 64, 8, 120, 33, 1, 77]
 
 
@@ -77,7 +77,7 @@ def test_batched_prefill_and_decode_equal_single(arch, hf_checkpoints, loaded):
         assert (logits[row] - hf_last_logits(hf, seq)).abs().max().item() <= tolerance(torch.float32)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_chunked_prefill_matches_one_shot(arch, hf_checkpoints, loaded):
     """A prompt prefilled in two chunks (the second with start_pos > 0 and several tokens) gives the
     logits of transformers on the whole prompt."""

@@ -1,0 +1,124 @@
+"""gpt-oss: the pieces against transformers' own code (MXFP4 dequantize, YaRN, the clamped SwiGLU), and
+greedy tokens of every backend that runs it equal transformers' on the tiny MXFP4 checkpoint of
+tests/engine/conftest.py (loaded by transformers with its MXFP4 quantizer in dequantize mode, fp32 CPU).
+Backends that cannot compute gpt-oss experts yet (cpu, hybrid) refuse it in one line."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before any Triton kernel is defined (see tests/kernels/conftest.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from services.engine.config import EngineConfig  # noqa: E402
+from services.engine.models import mxfp4  # noqa: E402
+from services.engine.models.registry import build_backend  # noqa: E402
+from services.engine.models.rope import yarn_inv_freq  # noqa: E402
+from services.engine.moe.reference import ClampedSwiGLU, moe_reference  # noqa: E402
+from services.engine.moe.resident import moe_gathered, moe_grouped  # noqa: E402
+from services.engine.preflight import check_model  # noqa: E402
+from tests.helpers import greedy_generate, hf_greedy, tolerance  # noqa: E402
+
+PROMPT = [3, 17, 42, 5, 99, 64, 8, 120, 33, 1, 77]
+
+
+def test_dequantize_equals_transformers_on_every_byte_and_scale():
+    """Every byte value (both nibbles) under a spread of E8M0 scales: bit-equal to transformers'
+    ``convert_moe_packed_tensors`` (which returns [E, in, out]; ours keeps the stored [E, out, in])."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.arange(256, dtype=torch.uint8).reshape(1, 16, 1, 16).repeat(2, 1, 3, 1)  # [E=2, 16, G=3, 16]
+    blocks = blocks[:, torch.randperm(16, generator=g)]
+    scales = torch.randint(110, 140, (2, 16, 3), generator=g, dtype=torch.uint8)
+    for dtype in (torch.float32, torch.bfloat16):
+        ref = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [E, 96, 16]
+        assert torch.equal(mxfp4.dequantize(blocks, scales, dtype).transpose(1, 2), ref)
+
+
+def test_quantize_roundtrips_and_keeps_the_nibble_order():
+    w = torch.randn(4, 64) * 0.1
+    blocks, scales = mxfp4.quantize(w)
+    assert blocks.shape == (4, 2, 16) and scales.shape == (4, 2)
+    back = mxfp4.dequantize(blocks, scales, torch.float32)
+    assert (back - w).abs().max() <= torch.exp2(scales.float() - 127).max()  # half the widest step (4 -> 6)
+    assert torch.equal(mxfp4.dequantize(*mxfp4.quantize(back), torch.float32), back)  # exact on its own grid
+    x = torch.zeros(1, 32)
+    x[0, 0], x[0, 1] = 1.0, -6.0  # element 0 -> low nibble of byte 0, element 1 -> high nibble
+    b, s = mxfp4.quantize(x)
+    assert s.item() == 127 and b[0, 0, 0].item() == (0xF << 4) | 0x2
+
+
+def test_yarn_matches_transformers():
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for truncate in (False, True):
+        params = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                  "truncate": truncate, "original_max_position_embeddings": 4096}
+        cfg = GptOssConfig(head_dim=64, max_position_embeddings=131072, rope_parameters=dict(params))
+        ref_inv, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+        inv, factor = yarn_inv_freq(64, 150000.0, params)
+        assert torch.equal(inv, ref_inv) and factor == ref_factor
+
+
+def test_clamped_swiglu_equals_transformers_experts():
+    """Our expert math (de-interleaved banks, biases, clamp) against transformers' GptOssExperts on
+    values large enough that the clamp at the real limit (7) bites."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    E, D, I, T, A = 4, 32, 16, 6, 2
+    hf = GptOssExperts(GptOssConfig(hidden_size=D, intermediate_size=I, num_local_experts=E))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    x = torch.randn(T, D, generator=g) * 2
+    ids = torch.randint(0, E, (T, A), generator=g)
+    w = torch.softmax(torch.randn(T, A, generator=g), -1)
+    gate_up = torch.cat([hf.gate_up_proj[..., 0::2], hf.gate_up_proj[..., 1::2]], -1).transpose(1, 2).detach()
+    down = hf.down_proj.transpose(1, 2).detach()
+    bias = (torch.cat([hf.gate_up_proj_bias[:, 0::2], hf.gate_up_proj_bias[:, 1::2]], -1).detach(),
+            hf.down_proj_bias.detach())
+    with torch.no_grad():
+        ref = hf(x, ids, w)
+        h = x @ hf.gate_up_proj[0]
+        assert h.abs().max() > 7  # the clamp matters here
+    act = ClampedSwiGLU(hf.alpha, hf.limit)
+    for fn in (moe_reference, moe_grouped, moe_gathered):
+        assert (fn(x, ids, w, gate_up, down, act, bias) - ref).abs().max() <= tolerance(torch.float32)
+
+
+def test_spec_reads_gpt_oss_config(loaded):
+    spec = loaded["gpt_oss"].spec
+    assert spec.layer_windows == (4, None, 4)
+    assert spec.expert_activation == ClampedSwiGLU(1.702, 1.0) and spec.expert_bias
+    assert spec.renormalize and spec.qkv_bias and spec.o_bias and spec.rope_scaling["rope_type"] == "yarn"
+
+
+@pytest.mark.parametrize("backend", ["resident", "offload", "auto"])
+def test_every_backend_greedy_equals_transformers(backend, hf_checkpoints, loaded):
+    c, lm = hf_checkpoints["gpt_oss"], loaded["gpt_oss"]
+    slots = {} if backend == "resident" else {"moe_cache_size": lm.spec.top_k}  # the smallest cache: misses every step
+    cfg = EngineConfig(model=str(c.dir), moe_backend=backend, **slots)
+    lm.model.set_backend(build_backend(lm, cfg))
+    ours = greedy_generate(lm, PROMPT, 24)
+    assert ours == hf_greedy(c.hf, PROMPT, 24)
+    assert len(set(ours)) > 1
+    if backend == "auto":
+        assert lm.backend.stats()["auto"]["running"] == "offload"
+
+
+@pytest.mark.parametrize("backend", ["cpu", "hybrid"])
+def test_cpu_executor_backends_refuse_gpt_oss(backend, hf_checkpoints, loaded):
+    c, lm = hf_checkpoints["gpt_oss"], loaded["gpt_oss"]
+    cfg = EngineConfig(model=str(c.dir), moe_backend=backend)
+    with pytest.raises(ValueError, match=rf"--moe-backend {backend}: gpt-oss experts .* use --moe-backend resident"):
+        check_model(cfg)
+    with pytest.raises(ValueError, match=rf"--moe-backend {backend}: gpt-oss experts"):
+        build_backend(lm, cfg)
