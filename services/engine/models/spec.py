@@ -182,6 +182,9 @@ class ModelSpec:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE:
             raise LoaderError(f"{source}: rope_type {rope_type!r} is not supported ({', '.join(SUPPORTED_ROPE)})")
+        missing = [k for k in ("factor", "original_max_position_embeddings") if rope_type == "yarn" and k not in rope]
+        if missing:
+            raise LoaderError(f"{source}: rope_type 'yarn' needs {' and '.join(repr(k) for k in missing)}")
         qkv_bias = bool(cfg.get(traits.qkv_bias_key, traits.qkv_bias_default)) if traits.qkv_bias_key else False
         if cfg.get("use_sliding_window"):  # Qwen's per-layer windows (max_window_layers): not implemented
             raise LoaderError(f"{source}: use_sliding_window=true is not supported")

@@ -55,7 +55,7 @@ from services.engine.models.causal_lm import MoECausalLM
 from services.engine.models.errors import LoaderError
 from services.engine.models.loader import build_empty_model
 from services.engine.models.spec import ModelSpec
-from services.engine.moe.banks import BANK_SCHEMAS, ExpertBanks, ExpertFormat, LayerBanks
+from services.engine.moe.banks import BANK_SCHEMAS, BIAS_BANKS, ExpertBanks, ExpertFormat, LayerBanks
 
 log = get_logger("synthetic")
 
@@ -64,6 +64,13 @@ INIT_STD = 0.02  # Hugging Face's initializer_range: every matrix not named belo
 EMBED_STD = 0.5  # token embeddings: the token stays visible in every layer's stream (docstring)
 ROUTER_LOGIT_STD = 1.0  # router N(0, ROUTER_LOGIT_STD / sqrt(D)): logits ~N(0, 1) on the normed input
 RESIDUAL_SCALED = True  # GPT-2's scaled init: o_proj / down_proj / expert down std INIT_STD / sqrt(2 L)
+
+_GPT_OSS = dict(model_type="gpt_oss", num_experts_per_tok=4, hidden_size=2880, intermediate_size=2880,
+                num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088, sliding_window=128,
+                attention_bias=True, rms_norm_eps=1e-5, swiglu_alpha=1.702, swiglu_limit=7.0,
+                max_position_embeddings=131072,
+                rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096})
 
 PRESETS: dict[str, dict] = {
     # vocab_size None = the demo tokenizer's vocabulary, so generated ids decode to text.
@@ -85,6 +92,11 @@ PRESETS: dict[str, dict] = {
                          hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=32000, rope_theta=1000000.0, rms_norm_eps=1e-5,
                          max_position_embeddings=32768),
+    # gpt-oss (openai/gpt-oss-*/config.json): alternating sliding (128) / full attention layers, sinks, YaRN,
+    # expert biases and the clamped SwiGLU. Experts in the engine dtype (the Hub's MXFP4 is dequantized at
+    # load too); MXFP4-resident banks are a later step.
+    "gpt-oss-20b": dict(_GPT_OSS, num_hidden_layers=24, num_local_experts=32),
+    "gpt-oss-120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128),
 }
 
 
@@ -134,7 +146,7 @@ def param_std(name: str, spec: ModelSpec) -> float:
     ``experts.<bank>`` for an expert bank)."""
     if name.endswith("embed_tokens.weight"):
         return EMBED_STD
-    if name.endswith(".gate.weight"):  # router; ".gate_proj" does not match
+    if name.endswith((".gate.weight", ".router.weight")):  # router; ".gate_proj" does not match
         return ROUTER_LOGIT_STD / spec.hidden_size ** 0.5
     if RESIDUAL_SCALED and name.endswith(("o_proj.weight", "down_proj.weight", "experts.down", "w2.weight")):
         return INIT_STD / (2 * spec.num_layers) ** 0.5
@@ -169,14 +181,19 @@ def build_synthetic(model: str, tokenizer_vocab: int, device: torch.device, dtyp
         if banks_device is None:
             # host banks of a CUDA model are pinned before they are filled (an offloading backend pins them
             # anyway): the GPU-made weights then come down by DMA at PCIe speed, not through pageable staging
-            banks = ExpertBanks.allocate(fmt, total, E, D, I, dtype, pin=device.type == "cuda")
+            banks = ExpertBanks.allocate(fmt, total, E, D, I, dtype, pin=device.type == "cuda", bias=spec.expert_bias,
+                                         activation=spec.expert_activation)
         else:
+            schema = BANK_SCHEMAS[fmt] + (BIAS_BANKS if spec.expert_bias else ())
             banks = ExpertBanks([LayerBanks(fmt, {b.name: torch.empty((E, *b.shape(D, I)), dtype=b.dtype or dtype,
-                                                                        device=banks_device) for b in BANK_SCHEMAS[fmt]})
-                                 for _ in range(total)])
+                                                                        device=banks_device) for b in schema})
+                                 for _ in range(total)], spec.expert_activation)
         for n, layer in enumerate(tqdm(banks.layers, desc=f"building {model}", unit="layer", leave=False)):
             for name, t in layer.tensors.items():
-                _fill_(t, param_std(f"experts.{name}", spec), gen)
+                if name.endswith("_bias"):  # biases 0, like every other bias here
+                    t.zero_()
+                else:
+                    _fill_(t, param_std(f"experts.{name}", spec), gen)
             if progress is not None:
                 progress({"phase": "building", "done": n + 1, "total": total, "fraction": (n + 1) / total})
     log.info("built %s: %d layers (%d MoE), E=%d, A=%d, %.1f GB of experts on %s", model, spec.num_layers,

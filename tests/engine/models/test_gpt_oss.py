@@ -122,3 +122,20 @@ def test_cpu_executor_backends_refuse_gpt_oss(backend, hf_checkpoints, loaded):
         check_model(cfg)
     with pytest.raises(ValueError, match=rf"--moe-backend {backend}: gpt-oss experts"):
         build_backend(lm, cfg)
+
+
+def test_missing_mxfp4_tensor_is_named(hf_checkpoints, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from services.engine.models.errors import LoaderError
+    from services.engine.models.registry import load_model
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(hf_checkpoints["gpt_oss"].dir, d)
+    sd = load_file(d / "model.safetensors")
+    del sd["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(LoaderError, match=r"missing tensor 'model\.layers\.1\.mlp\.experts\.down_proj_scales'"):
+        load_model(EngineConfig(model=str(d)))

@@ -86,7 +86,7 @@ def test_unsupported_model_type_lists_supported(ckpt):
     cfg["model_type"] = "llama"
     (ckpt / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(LoaderError, match=r"config\.json: unsupported model_type 'llama' "
-                                          r"\(supported: mixtral, olmoe, qwen2_moe, qwen3_moe\)"):
+                                          r"\(supported: gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe\)"):
         load_model(EngineConfig(model=str(ckpt)))
 
 

@@ -45,12 +45,14 @@ def test_olmoe_full_qk_norm_and_clip():
 
 
 @pytest.mark.parametrize("cfg, match", [
-    (dict(model_type="deepseek_v2"), r"unsupported model_type 'deepseek_v2' \(supported: mixtral, olmoe, qwen2_moe, qwen3_moe\)"),
+    (dict(model_type="deepseek_v2"), r"unsupported model_type 'deepseek_v2' \(supported: gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe\)"),
     (dict(model_type="qwen3_moe", num_experts=8), r"missing key 'moe_intermediate_size'"),
     (dict(model_type="qwen3_moe", moe_intermediate_size=8), r"no expert count"),
     (dict(model_type="mixtral", num_local_experts=1, intermediate_size=8), r"num_experts_per_tok=2 must be in \[1, 1\]"),
+    (dict(model_type="mixtral", num_local_experts=8, intermediate_size=8, rope_scaling={"rope_type": "longrope"}),
+     r"rope_type 'longrope' is not supported \(default, yarn\)"),
     (dict(model_type="mixtral", num_local_experts=8, intermediate_size=8, rope_scaling={"rope_type": "yarn"}),
-     r"rope_type 'yarn' is not supported"),
+     r"rope_type 'yarn' needs 'factor'"),
     (dict(model_type="qwen3_moe", num_experts=8, moe_intermediate_size=8, use_sliding_window=True),
      r"use_sliding_window=true is not supported"),
 ])

@@ -58,8 +58,41 @@ def test_real_geometries():
     assert mix.traits.expert_proj == ("w1", "w3", "w2")
 
 
+@pytest.mark.parametrize("name, layers, experts, active_b", [("gpt-oss-20b", 24, 32, (3.4, 3.8)),
+                                                           ("gpt-oss-120b", 36, 128, (4.9, 5.3))])
+def test_gpt_oss_geometries(name, layers, experts, active_b):
+    """openai/gpt-oss-*: config.json geometry; ~3.6 B / ~5.1 B active parameters per token (their model cards)."""
+    spec = synthetic_spec(f"synthetic:{name}", tokenizer_vocab=0)
+    assert (spec.model_type, spec.num_layers, spec.num_experts, spec.top_k, spec.hidden_size, spec.moe_intermediate_size,
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.vocab_size) == (
+            "gpt_oss", layers, experts, 4, 2880, 2880, 64, 8, 64, 201088)
+    assert spec.layer_windows == (128, None) * (layers // 2)  # sliding first, then full, alternating
+    assert spec.expert_bias and spec.expert_activation.limit == 7.0 and spec.rope_scaling["factor"] == 32.0
+    assert active_b[0] < spec.active_weight_nbytes(torch.bfloat16) / 2 / 1e9 < active_b[1]
+    cut = synthetic_spec(f"synthetic:{name}?layers=3", tokenizer_vocab=0)
+    assert cut.num_layers == 3 and cut.layer_windows == (128, None, 128)
+
+
+def test_gpt_oss_builds_with_bias_banks(monkeypatch):
+    """The gpt-oss builder path (bias banks zeroed, clamped activation on the banks, router named 'router')
+    at a small width: the real presets differ only in their sizes."""
+    from services.engine.models import synthetic
+
+    small = dict(synthetic.PRESETS["gpt-oss-20b"], num_hidden_layers=2, num_local_experts=8, hidden_size=64,
+                 intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=None,
+                 sliding_window=4)
+    monkeypatch.setitem(synthetic.PRESETS, "gpt-oss-small", small)
+    lm = load_model(EngineConfig(model="synthetic:gpt-oss-small"))
+    layer = lm.banks.layers[0]
+    assert torch.equal(layer.tensors["down_bias"], torch.zeros_like(layer.tensors["down_bias"]))
+    assert lm.banks.activation.limit == 7.0 and not lm.banks.plain_swiglu
+    assert 0.1 < lm.model.model.layers[0].mlp.router.weight.std().item() < 0.15  # 1/sqrt(64)
+    assert len(greedy_generate(lm, [1, 2, 3, 4, 5, 6], 6)) == 6
+
+
 @pytest.mark.parametrize("model, match", [
-    ("synthetic:nope", r"unknown synthetic preset 'nope' \(presets: tiny, qwen3-30b-a3b, qwen3-moe-mini, mixtral-8x7b\)"),
+    ("synthetic:nope", r"unknown synthetic preset 'nope' \(presets: tiny, qwen3-30b-a3b, qwen3-moe-mini, mixtral-8x7b, "
+                       r"gpt-oss-20b, gpt-oss-120b\)"),
     ("synthetic:tiny?layers=x", r"layers must be an integer"),
     ("synthetic:tiny?depth=2", r"unknown option 'depth'"),
 ])
