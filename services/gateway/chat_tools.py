@@ -31,6 +31,7 @@ class ToolPlan:
     parser: ToolParser | None = None  # parses the output (None: content only)
     parallel: bool = True
     grammar: dict | None = None  # the engine's grammar of a forced call
+    keep_special_tokens: bool = False  # the family's marker is a special token: decode it into the text
 
 
 def plan_tools(req: ChatCompletionRequest, tokenizer_config: dict, tokenizer) -> ToolPlan:
@@ -56,8 +57,11 @@ def plan_tools(req: ChatCompletionRequest, tokenizer_config: dict, tokenizer) ->
         raise RequestError(f"tools: this model's chat template writes no tool-call syntax Tandem can parse "
                            f"(known: {', '.join(PARSERS)}); send tool_choice \"none\" to only show the tools",
                            "tools")
+    # a special marker token (Mistral's [TOOL_CALLS]) is decoded into the text, or no call could be found;
+    # the answer's other special tokens then show too (a model rarely writes any before its EOS)
+    keep = parser.special_marker(tokenizer) is not None
     if choice in (None, "auto"):
-        return ToolPlan(tools, parser, parallel)
+        return ToolPlan(tools, parser, parallel, keep_special_tokens=keep)
     if isinstance(choice, NamedToolChoice):
         forced = [t for t in tools if t["function"]["name"] == choice.function.name]
         if not forced:
@@ -69,7 +73,7 @@ def plan_tools(req: ChatCompletionRequest, tokenizer_config: dict, tokenizer) ->
     if req.response_format is not None and req.response_format.type != "text":
         raise RequestError("a forced tool call (tool_choice required or a function) cannot be combined with "
                            "response_format", "response_format")
-    return ToolPlan(tools, parser, parallel, {"lark": parser.forced_grammar(forced, parallel, tokenizer)})
+    return ToolPlan(tools, parser, parallel, {"lark": parser.forced_grammar(forced, parallel, tokenizer)}, keep)
 
 
 def template_message(message: dict) -> dict:

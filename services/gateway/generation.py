@@ -55,6 +55,8 @@ class Generation:
     finish_reason: str | None = None
     text: str = ""
     logprobs: list[dict] | None = None  # every token's entry (as Delta.logprobs) when asked
+    # False when a special token is part of the answer's syntax (Mistral's [TOOL_CALLS]: chat_tools.py)
+    skip_special_tokens: bool = True
 
     def choices(self, n: int) -> list["Generation"]:
         """This generation and n - 1 more of the same prompt (choices 0..n-1), each its own engine request.
@@ -64,7 +66,8 @@ class Generation:
             sampling = dict(self.sampling)
             if sampling.get("seed") is not None:
                 sampling["seed"] = sampling["seed"] + i
-            out.append(Generation(self.engine, self.prompt_token_ids, sampling, self.stop, index=i))
+            out.append(Generation(self.engine, self.prompt_token_ids, sampling, self.stop, index=i,
+                                  skip_special_tokens=self.skip_special_tokens))
         return out
 
     @property
@@ -162,7 +165,7 @@ async def deltas(gen: Generation, stream) -> AsyncIterator[Delta]:
     """Text deltas of a started generation; the last one carries the finish_reason. Closing this
     iterator early (client gone) closes the engine stream, which aborts the request there."""
     engine = gen.engine
-    detok = engine.tokenizer.detokenizer(skip_special_tokens=True)
+    detok = engine.tokenizer.detokenizer(skip_special_tokens=gen.skip_special_tokens)
     stops = StopStringMatcher(gen.stop)
     try:
         async for out in stream:

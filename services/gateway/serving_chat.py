@@ -54,7 +54,8 @@ def prepare(pool: EnginePool, req: ChatCompletionRequest) -> tuple[g.Generation,
     grammar = plan.grammar or grammar_for_response_format(req.response_format)
     if grammar is not None:
         sampling["grammar"] = grammar
-    return g.Generation(engine, ids, sampling, g.stop_list(req.stop)), plan
+    return g.Generation(engine, ids, sampling, g.stop_list(req.stop),
+                        skip_special_tokens=not plan.keep_special_tokens), plan
 
 
 async def create_chat_completion(pool: EnginePool, req: ChatCompletionRequest, is_disconnected=None):

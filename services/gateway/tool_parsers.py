@@ -85,12 +85,16 @@ class ToolParser:
         """A Lark grammar whose every sentence is one call (or, ``parallel``, one or more) of ``tools``."""
         raise NotImplementedError
 
+    def special_marker(self, tokenizer) -> int | None:
+        """The id of ``start`` when it is a special token of ``tokenizer`` (decoding must then keep special
+        tokens, or the marker vanishes from the text), else None."""
+        tid = tokenizer.token_to_id(self.start)
+        return tid if tid is not None and tokenizer.decode([tid], skip_special_tokens=True) == "" else None
+
     def marker(self, tokenizer) -> str:
         """``start`` in a Lark grammar: a special token by its id (it cannot be spelled as text), else text."""
-        tid = tokenizer.token_to_id(self.start)
-        if tid is not None and tokenizer.decode([tid], skip_special_tokens=True) == "":
-            return f"<[{tid}]>"
-        return _lark_literal(self.start)
+        tid = self.special_marker(tokenizer)
+        return f"<[{tid}]>" if tid is not None else _lark_literal(self.start)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a finished generation; malformed calls leave the whole text as content."""

@@ -11,6 +11,8 @@ import pytest
 
 from services.common.tokenizer import Tokenizer
 from services.engine.models.demo import CHAT_TEMPLATE, write_tokenizer_files
+from services.gateway.chat_tools import plan_tools
+from services.gateway.protocol import ChatCompletionRequest
 from services.gateway.tool_parsers import PARSERS, ToolCallStream, parser_for
 
 # What Qwen3 writes (its chat template's format; the <think> block is Qwen3's reasoning, empty here).
@@ -118,3 +120,28 @@ def test_mistral_forced_grammar(demo_tokenizer):
     grammar = PARSERS["mistral"].forced_grammar(TOOLS, True, tok)
     assert _accepts(grammar, llg_tok, '[TOOL_CALLS] [{"name":"add","arguments":{}}]', tok)
     assert not _accepts(grammar, llg_tok, '[TOOL_CALLS] []', tok)
+
+
+def test_a_special_marker_token_is_forced_by_id_and_kept_in_the_text(tmp_path):
+    """Mistral's [TOOL_CALLS] is a special token: the forced grammar names it by id (text cannot spell
+    it), and the answer must be decoded with special tokens kept or the call disappears."""
+    write_tokenizer_files(tmp_path)
+    tok = Tokenizer.from_dir(tmp_path)
+    tok.backend.add_special_tokens(["[TOOL_CALLS]"])
+    (tmp_path / "tokenizer.json").write_text(tok.backend.to_str())
+    tok = Tokenizer.from_dir(tmp_path)
+    marker = tok.token_to_id("[TOOL_CALLS]")
+    parser = PARSERS["mistral"]
+    assert parser.special_marker(tok) == marker and PARSERS["hermes"].special_marker(tok) is None
+    grammar = parser.forced_grammar(TOOLS, False, tok)
+    assert f"<[{marker}]>" in grammar
+    ids = [marker] + tok.encode(' [{"name":"add","arguments":{}}]')
+    matcher = llguidance.LLMatcher(llguidance.LLTokenizer((tmp_path / "tokenizer.json").read_text()),
+                                   llguidance.LLMatcher.grammar_from_lark(grammar))
+    assert matcher.consume_tokens(ids) and matcher.is_accepting()
+    assert [c.name for c in parser.parse(tok.decode(ids, skip_special_tokens=False))[1]] == ["add"]
+    assert parser.parse(tok.decode(ids, skip_special_tokens=True))[1] == []
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
+                                tool_choice="required")
+    plan = plan_tools(req, {"chat_template": "{{ '[TOOL_CALLS] ' }}"}, tok)  # a Mistral-style template
+    assert plan.parser is parser and plan.keep_special_tokens and f"<[{marker}]>" in plan.grammar["lark"]
