@@ -162,6 +162,17 @@ def test_chat_completion_with_the_openai_client(stack):
         OpenAI(base_url=stack.url("gateway", "/v1"), api_key="wrong").models.list()
 
 
+def test_the_engine_loaded_the_cpu_executor_built_into_its_image(stack):
+    """The hybrid backend's C++ extension was compiled by the image build, not at the container's start:
+    the engine logged loading it, and the library is older than the container."""
+    assert "cpu executor extension ready" in stack.logs("engine", lines=10_000)
+    container = stack.compose("ps", "-q", "engine").stdout.strip()
+    started = int(stack.podman.run("inspect", "--format", "{{.State.StartedAt.Unix}}", container).stdout)
+    built = stack.compose("exec", "-T", "engine", "sh", "-c",
+                          "stat -c '%Y %n' $(find /opt/tandem/ext -name '*.so')").stdout.splitlines()
+    assert built and all(int(line.split()[0]) < started for line in built), (started, built)
+
+
 def test_profile_job_lands_in_the_shared_volume(stack):
     """POST /admin/profiles -> the worker writes /profiles/<uuid>.json -> the gateway lists it and the
     engine container reads the same file from its (read-only) mount of the volume."""

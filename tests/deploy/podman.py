@@ -69,7 +69,8 @@ class Podman:
                                         env=self.env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while not self.socket.exists():
-            assert self.service.poll() is None, f"podman system service exited: {(self.state / 'service.log').read_text()}"
+            log_text = (self.state / "service.log").read_text()
+            assert self.service.poll() is None, f"podman system service exited: {log_text}"
             assert time.monotonic() < deadline, "podman system service: no socket after 30 s"
             time.sleep(0.2)
 

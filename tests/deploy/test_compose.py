@@ -46,13 +46,15 @@ def test_docker_compose_v1_config():
     assert result.returncode == 0, result.stderr
 
 
-def test_the_gpu_override_is_what_a_plain_up_reads():
+def test_the_gpu_override_is_what_a_plain_up_reads(tmp_path):
     """`docker compose up` on a GPU host reads docker-compose.yml + docker-compose.override.yml: both GPU
     services reserve the same GPU; docker-compose.yml alone reserves none (the CPU path)."""
     import os
 
-    env = {k: v for k, v in os.environ.items() if k != "COMPOSE_FILE"}
-    plain = yaml.safe_load(subprocess.run(["docker-compose", "config"], cwd=REPO, env=env, capture_output=True,
+    for path in (COMPOSE, GPU_OVERRIDE):  # a copy: no .env of this checkout (COMPOSE_FILE) applies
+        shutil.copy(path, tmp_path / path.name)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
+    plain = yaml.safe_load(subprocess.run(["docker-compose", "config"], cwd=tmp_path, env=env, capture_output=True,
                                           text=True, check=True, timeout=60).stdout)["services"]
     for gpu_service in ("engine", "worker"):
         devices = plain[gpu_service]["deploy"]["resources"]["reservations"]["devices"]
