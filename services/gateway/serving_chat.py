@@ -35,7 +35,16 @@ def _messages(req: ChatCompletionRequest) -> list[dict]:
     return out
 
 
-def prepare(pool: EnginePool, req: ChatCompletionRequest) -> tuple[g.Generation, ToolPlan]:
+def prepare(pool: EnginePool, req: ChatCompletionRequest) -> g.Generation:
+    """``prepare_with_tools`` for callers that answer with text only (a request whose output would be
+    parsed into tool calls is refused rather than answered with the calls' raw text)."""
+    gen, plan = prepare_with_tools(pool, req)
+    if plan.parser is not None:
+        raise g.RequestError("tools are not served on this endpoint", "tools")
+    return gen
+
+
+def prepare_with_tools(pool: EnginePool, req: ChatCompletionRequest) -> tuple[g.Generation, ToolPlan]:
     """Validate, plan tools, template and tokenize; raises RequestError / EngineError (404 unknown model, 503)."""
     refuse_unsupported(req)  # first: a refused field is the answer, whatever else is wrong
     engine = pool.pick(req.model)
@@ -59,7 +68,7 @@ def prepare(pool: EnginePool, req: ChatCompletionRequest) -> tuple[g.Generation,
 
 
 async def create_chat_completion(pool: EnginePool, req: ChatCompletionRequest, is_disconnected=None):
-    gen, plan = prepare(pool, req)
+    gen, plan = prepare_with_tools(pool, req)
     gens = gen.choices(req.n or 1)
     tokenizer = gens[0].engine.tokenizer
 
