@@ -26,7 +26,6 @@ from services.engine.models.errors import LoaderError
 from services.engine.models.loader import check_tokenizer, check_weight_files, read_spec
 from services.engine.models.registry import DEMO, TORCH_DTYPES, torch_device
 from services.engine.models.spec import ModelSpec
-from services.engine.moe.backends import check_expert_support
 from services.engine.moe.sizing import GiB, CacheGeometry, decide_cache_size, fmt_bytes
 from services.engine.runtime.kv_cache import KVCache
 
@@ -57,7 +56,6 @@ def check_model(config: EngineConfig) -> ModelSpec:
         spec = read_spec(model_dir)
         check_tokenizer(model_dir)
         check_weight_files(model_dir)
-    check_expert_support(config.moe_backend, not spec.expert_bias and spec.expert_activation is None)
     check_fits(spec, config, device)
     return spec
 

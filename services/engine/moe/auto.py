@@ -14,7 +14,6 @@ its decode graphs, which hold the old backend's buffers."""
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 
 import torch
@@ -26,7 +25,7 @@ from services.engine.moe.backends import BackendContext, ExpertBackend, register
 from services.engine.moe.hybrid import HybridBackend, profile_prior
 from services.engine.moe.offload import OffloadBackend, kv_reserve_bytes
 from services.engine.moe.sizing import CacheGeometry, decide_cache_size
-from services.engine.moe.split import Q16, SplitController
+from services.engine.moe.split import SplitController
 
 log = get_logger("moe.auto")
 
@@ -55,12 +54,6 @@ class AutoBackend:
         self.decision, self.profile_path = self._decide()
         self.inner: ExpertBackend = self._build(self.decision.backend)
         self._start_trial()
-        self.settled = self.offload_only  # nothing to time against
-
-    @property
-    def offload_only(self) -> bool:
-        """gpt-oss experts: the CPU executor cannot compute them yet, so hybrid is no candidate."""
-        return not self.ctx.banks.plain_swiglu
 
     # ---- online verdict ------------------------------------------------------------------------------
 
@@ -114,12 +107,8 @@ class AutoBackend:
     def _decide(self):
         cache_rate = self.num_slots / self.geometry.total_experts
         misses = expected_misses_per_layer(self.ctx.top_k, cache_rate)
-        decision, path = auto_backend(gpu_uuid(self.ctx.device), self.geometry.expert_nbytes, misses,
-                                      self.geometry.num_layers, fmt=str(self.ctx.dtype).removeprefix("torch."))
-        if self.offload_only and decision.backend != MoEBackend.OFFLOAD.value:
-            decision = dataclasses.replace(decision, backend=MoEBackend.OFFLOAD.value, fetch_fraction=1.0, f_q16=Q16,
-                                           reason="gpt-oss experts: the CPU executor cannot compute them yet")
-        return decision, path
+        return auto_backend(gpu_uuid(self.ctx.device), self.geometry.expert_nbytes, misses, self.geometry.num_layers,
+                            fmt=str(self.ctx.dtype).removeprefix("torch."))
 
     def _build(self, kind: str) -> ExpertBackend:
         if kind == MoEBackend.HYBRID.value:
@@ -147,7 +136,6 @@ class AutoBackend:
         elif isinstance(self.inner, HybridBackend) and self.inner.max_fetch < 0:
             self.inner.controller = SplitController(self.inner.expert_bytes, **profile_prior(self.ctx))
         self._start_trial()
-        self.settled = self.offload_only
         log.info("profile reloaded: %s -> %s%s", old, self.decision.backend, " (backend rebuilt)" if rebuilt else "")
         return {"auto": self._describe(), "rebuilt": rebuilt}
 

@@ -48,19 +48,6 @@ class BackendContext:
     next_layer_predictors: list[torch.Tensor] | None = None
 
 
-# Backends whose misses the CPU executor computes. It has the plain SwiGLU only so far (no expert biases, no
-# clamped activation), so gpt-oss experts are refused there rather than computed wrong.
-CPU_EXECUTOR_BACKENDS = (MoEBackend.CPU, MoEBackend.HYBRID)
-
-
-def check_expert_support(kind: MoEBackend, plain_swiglu: bool) -> None:
-    """ValueError (one line) when backend ``kind`` cannot compute these experts; ``plain_swiglu``: the
-    experts are bias-free ``silu(gate) * up`` (False for gpt-oss)."""
-    if not plain_swiglu and kind in CPU_EXECUTOR_BACKENDS:
-        raise ValueError(f"--moe-backend {kind.value}: gpt-oss experts (biases, clamped SwiGLU) are not computed by "
-                         "the CPU executor yet; use --moe-backend resident, offload or auto (auto runs offload)")
-
-
 BackendFactory = Callable[[BackendContext], ExpertBackend]
 BACKENDS: dict[MoEBackend, BackendFactory] = {}
 
@@ -81,7 +68,6 @@ def make_backend(ctx: BackendContext) -> ExpertBackend:
     for module in _BACKEND_MODULES:
         importlib.import_module(module)
     kind = ctx.config.moe_backend
-    check_expert_support(kind, ctx.banks.plain_swiglu)
     if kind not in BACKENDS:
         available = ", ".join(sorted(k.value for k in BACKENDS))
         raise ValueError(f"--moe-backend {kind.value} is not available in this build (available: {available})")

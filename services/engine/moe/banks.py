@@ -107,8 +107,8 @@ class ExpertBanks:
 
     @property
     def plain_swiglu(self) -> bool:
-        """True when the experts are bias-free ``silu(gate) * up`` (what the Triton GEMV and the CPU
-        executor compute); gpt-oss's are not."""
+        """True when the experts are bias-free ``silu(gate) * up`` (all the Triton MoE GEMV computes so far);
+        gpt-oss's are not."""
         return self.activation is None and not (self.layers and self.layers[0].bias is not None)
 
     def total_nbytes(self) -> int:

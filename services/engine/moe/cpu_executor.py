@@ -241,6 +241,11 @@ class CpuExecutor:
         self._impl = ext.Executor(self.worker_cpus, n, spin_us, isa)
         self._tids = _worker_tids() - others  # this pool's workers (named before the constructor returns)
         self.banks = banks
+        if not banks.plain_swiglu:  # gpt-oss: expert biases and the clamped SwiGLU, set once per layer bank
+            act = banks.activation
+            self._impl.set_expert_math([lb.tensors["gate_up"] for lb in banks.layers],
+                                       [lb.tensors["gate_up_bias"] for lb in banks.layers],
+                                       [lb.tensors["down_bias"] for lb in banks.layers], act.alpha, act.limit)
         self._pending: tuple | None = None
         self._no_flag = torch.empty(0, dtype=torch.int64)  # "no ready flag", made once (an allocation per call shows)
         self.last_ready_ns = 0  # steady-clock ns when the last job's inputs were available

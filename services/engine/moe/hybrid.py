@@ -98,6 +98,7 @@ class HybridBackend:
         self.mode = mode
         self.offload = OffloadBackend(ctx, num_slots, use_triton)  # cache sizing, slots, prefill path
         self.cache = self.offload.cache
+        self.expert_math = (self.offload.act, self.offload.bias)  # gpt-oss: clamped SwiGLU, slot bias banks
         if mode is MoEBackend.CPU and self.offload.prefetch is not None:  # cpu fetches nothing while decoding
             log.info("--moe-prefetch is ignored by the cpu backend (every miss is computed on the CPU)")
             self.offload.prefetch = None
@@ -178,10 +179,10 @@ class HybridBackend:
         # CPU routes have slot -1, which the GPU kernels skip (no weight masking needed: 3 launches saved)
         gate_up, down = self.cache.slot_banks["gate_up"], self.cache.slot_banks["down"]  # [S, 2I, D], [S, D, I]
         if hidden.is_cuda:
-            part = moe_decode(hidden, slot_ids, topk_weights, gate_up, down)  # [T, D]
+            part = moe_decode(hidden, slot_ids, topk_weights, gate_up, down, *self.expert_math)  # [T, D]
             cpu_part = self.handoff.sync()  # [T, D] fp32 on the device
         else:
-            part = moe_grouped(hidden, slot_ids, topk_weights, gate_up, down)
+            part = moe_grouped(hidden, slot_ids, topk_weights, gate_up, down, *self.expert_math)
             cpu_part = self.executor.wait()
         ex = self.executor
         step["cpu_s"] += ex.last_compute_seconds
@@ -212,7 +213,7 @@ class HybridBackend:
         prefetch = self._prefetch_reserve(layer, hidden, topk_ids)
         gate_up, down = self.cache.slot_banks["gate_up"], self.cache.slot_banks["down"]  # CPU routes: slot -1, skipped
         state = self.cache.state
-        out = self.handoff.sync_add(layer, moe_decode(hidden, slot_ids, topk_weights, gate_up, down),  # [T, D]
+        out = self.handoff.sync_add(layer, moe_decode(hidden, slot_ids, topk_weights, gate_up, down, *self.expert_math),  # [T, D]
                                     cache_counters=(state.misses, state.fetched))
         if prefetch is not None:
             prefetch.copy_ahead()  # the CPU's part is in: the copy takes the host DRAM while the CPU is idle

@@ -45,6 +45,7 @@
 #include <thread>
 #include <tuple>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 #include "cuda_driver.h"
@@ -127,6 +128,12 @@ struct Job {
   std::vector<float*> h_ptr;         // [R]
   std::vector<float*> out_ptr;       // [R]
   int G = 0, R = 0;
+  // gpt-oss experts (set_expert_math): biases in the bank dtype, gate_up_bias [E, 2I] (gate then up) and
+  // down_bias [E, D]; the clamped SwiGLU (up.clamp(+-limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+  const void* gate_up_bias = nullptr;
+  const void* down_bias = nullptr;
+  bool clamped = false;
+  float alpha = 0.f, limit = 0.f;
   std::string error;
   int64_t t_ready_ns = 0, t_done_ns = 0;
   // loop mode: `ids` holds [rows, T, A]; each job reads row `loop_row` (element offset ids_offset)
@@ -161,6 +168,28 @@ class Executor {
     for (auto& th : threads_) th.join();
   }
 
+  // gpt-oss experts: per layer the gate_up bank (its data pointer identifies the layer in every job) and
+  // its biases (contiguous, the bank's dtype, kept alive here), and the clamped SwiGLU's alpha / limit.
+  void set_expert_math(std::vector<torch::Tensor> gate_ups, std::vector<torch::Tensor> gate_up_biases,
+                       std::vector<torch::Tensor> down_biases, double alpha, double limit) {
+    TORCH_CHECK(!busy_ && !polling_, "cpu executor: set_expert_math() while a job is in flight or polling is on");
+    TORCH_CHECK(gate_ups.size() == gate_up_biases.size() && gate_ups.size() == down_biases.size(),
+                "cpu executor: one gate_up bias and one down bias per gate_up bank");
+    expert_math_.clear();
+    for (size_t l = 0; l < gate_ups.size(); ++l) {
+      const auto& gu = gate_ups[l];
+      TORCH_CHECK(gate_up_biases[l].is_contiguous() && down_biases[l].is_contiguous() &&
+                  gate_up_biases[l].scalar_type() == gu.scalar_type() && down_biases[l].scalar_type() == gu.scalar_type() &&
+                  gate_up_biases[l].numel() == gu.size(0) * gu.size(1),
+                  "cpu executor: biases must be contiguous, in the bank dtype, [E, 2I] and [E, D]");
+      expert_math_[gu.data_ptr()] = {gate_up_biases[l].data_ptr(), down_biases[l].data_ptr()};
+    }
+    bias_keep_ = {gate_up_biases, down_biases};
+    clamped_ = true;
+    alpha_ = static_cast<float>(alpha);
+    limit_ = static_cast<float>(limit);
+  }
+
   std::string isa() const { return k_.name; }
   int64_t num_threads() const { return n_; }
 
@@ -176,6 +205,17 @@ class Executor {
   }
 
  private:
+  // bias [e][i] of a bank of dtype wdt, as fp32
+  float bias_at(const void* b, size_t i) const {
+    if (job_.wdt == WDtype::BF16) {
+      uint32_t u = static_cast<uint32_t>(static_cast<const uint16_t*>(b)[i]) << 16;
+      float f;
+      std::memcpy(&f, &u, sizeof f);
+      return f;
+    }
+    return static_cast<const float*>(b)[i];
+  }
+
   void setup_job(torch::Tensor hidden, torch::Tensor ids, torch::Tensor weights, torch::Tensor gate_up,
                  torch::Tensor down, torch::Tensor out, torch::Tensor ready, int64_t ready_value) {
     const auto T = hidden.size(0), D = hidden.size(1), A = ids.size(1);
@@ -208,6 +248,10 @@ class Executor {
     j.ready_value = ready_value;
     j.T = T; j.A = A; j.D = D; j.I = I; j.E = E;
     j.wdt = gate_up.scalar_type() == torch::kBFloat16 ? WDtype::BF16 : WDtype::F32;
+    const auto math = expert_math_.find(gate_up.data_ptr());
+    j.gate_up_bias = math == expert_math_.end() ? nullptr : math->second.first;
+    j.down_bias = math == expert_math_.end() ? nullptr : math->second.second;
+    j.clamped = clamped_; j.alpha = alpha_; j.limit = limit_;
     const size_t Rmax = static_cast<size_t>(T * A);
     j.count.resize(E);  // prepare() zeroes it
     j.loop = false;
@@ -724,9 +768,19 @@ class Executor {
       gemv()(a);  // up rows
       for (int t = 0; t < nt; ++t) {
         const float* hg = j.h_ptr[r0 + t];
+        const void* gb = j.gate_up_bias;
+        const size_t bias0 = (size_t)j.group_expert[g] * 2 * I;
         for (int64_t i = i0; i < i1; ++i) {
-          const float gv = hg[i], uv = hg[I + i];
-          const float v = gv / (1.f + std::exp(-gv)) * uv;  // silu(gate) * up
+          float gv = hg[i], uv = hg[I + i];
+          if (gb) { gv += bias_at(gb, bias0 + i); uv += bias_at(gb, bias0 + I + i); }
+          float v;
+          if (j.clamped) {  // gpt-oss
+            gv = std::min(gv, j.limit);
+            uv = std::max(-j.limit, std::min(uv, j.limit));
+            v = (uv + 1.f) * (gv / (1.f + std::exp(-j.alpha * gv)));
+          } else {
+            v = gv / (1.f + std::exp(-gv)) * uv;  // silu(gate) * up
+          }
           if (bf16_x()) j.act_bf16[(size_t)(r0 + t) * I + i] = f32_to_bf16(v);
           else j.act_f32[(size_t)(r0 + t) * I + i] = v;
         }
@@ -750,9 +804,18 @@ class Executor {
       const char* W = bank + ((size_t)j.group_expert[g] * D * I + (size_t)d0 * I) * welem();
       GemvArgs a{W, I, static_cast<int>(d1 - d0), static_cast<int>(I), &j.act_ptr[r0], nt, y.data(), &j.route_w[r0]};
       gemv()(a);
+      if (j.down_bias) {  // gpt-oss: + route weight x bias, like transformers' (down(act) + bias) * w
+        const size_t b0 = (size_t)j.group_expert[g] * D;
+        for (int t = 0; t < nt; ++t)
+          for (int64_t d = d0; d < d1; ++d) y[t][d - d0] += j.route_w[r0 + t] * bias_at(j.down_bias, b0 + d);
+      }
     }
   }
 
+  std::unordered_map<const void*, std::pair<const void*, const void*>> expert_math_;  // gate_up bank -> biases
+  std::vector<std::vector<torch::Tensor>> bias_keep_;
+  bool clamped_ = false;
+  float alpha_ = 0.f, limit_ = 0.f;
   int n_;
   int64_t spin_ns_;
   IsaKernels k_{};
@@ -786,6 +849,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<std::vector<int64_t>, int64_t, int64_t, std::string>(),
            pybind11::arg("cpus"), pybind11::arg("num_threads"), pybind11::arg("spin_us"), pybind11::arg("isa"))
       .def("submit", &tandem::Executor::submit)
+      .def("set_expert_math", &tandem::Executor::set_expert_math)
       .def("wait", &tandem::Executor::wait)
       .def("read_seconds", &tandem::Executor::read_seconds)
       .def("start_polling", &tandem::Executor::start_polling)
