@@ -167,10 +167,10 @@ def run_server(args: argparse.Namespace, backend: str, cache_rate: float | None)
             rows.append({**base, "mode": mode, mode: level, **summarize_level(results, wall, solo_texts),
                          "miss_rate": summary["miss_rate"], "fetch_share": summary["fetch_share"],
                          "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "ok": True})
-            print(table_line(rows[-1]), flush=True)
+            record(args, rows[-1])
     except Exception as exc:  # one failing server must not stop the others
         rows.append({**base, "ok": False, "error": f"{type(exc).__name__}: {exc}", "log_tail": server.log_tail()})
-        print(f"{tag}: FAILED {rows[-1]['error'][:200]}", flush=True)
+        record(args, rows[-1])
     finally:
         server.stop(pause_s=2.0 if args.device == "cuda" else 0.0)
     return rows
@@ -189,6 +189,17 @@ def table_line(row: dict) -> str:
         value = row.get(row["mode"]) if key == "level" else row.get(key)
         cells.append((fmt.format(value) if value is not None else "-").rjust(width))
     return " | ".join(cells)
+
+
+def record(args: argparse.Namespace, row: dict) -> None:
+    """Print a row and append it to --json at once: a run cut short keeps what it measured."""
+    if row["ok"]:
+        print(table_line(row), flush=True)
+    else:
+        print(f"{row['backend']}: FAILED {row['error'][:200]}", flush=True)
+    if args.json:
+        with args.json.open("a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 def plot_rows(rows: list[dict], path: Path) -> Path:
@@ -254,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-arg", action="append", default=[], help="an extra `tandem serve` flag (repeatable)")
     p.add_argument("--log-dir", type=Path, default=Path("runs/bench_serving"),
                    help="server logs (default: runs/bench_serving)")
-    p.add_argument("--json", type=Path, help="write the rows as JSON lines to this file")
+    p.add_argument("--json", type=Path, help="write the rows as JSON lines to this file, each as it is measured")
     p.add_argument("--plot", type=Path, help="write tok/s and TTFT against concurrency to this PNG")
     args = p.parse_args(argv)
     args.concurrency_list = parse_list(args.concurrency, int)
@@ -267,14 +278,14 @@ def main(argv: list[str] | None = None) -> int:
     everything = chat_prompts(most + 4, seed=args.seed)
     args.prompts, args.warmup_prompts = everything[:most], everything[most:]
     args.log_dir.mkdir(parents=True, exist_ok=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text("")
     print(" | ".join(key[:width].rjust(width) for key, width, _ in COLUMNS), flush=True)
     rows: list[dict] = []
     for backend in parse_list(args.backend, str):
         rows += run_server(args, backend, None if backend == "resident" else args.cache_rate)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    if args.plot:
+    if args.plot and any(r["ok"] for r in rows):
         plot_rows(rows, args.plot)
     return 0 if rows and all(r["ok"] and not r["errors"] for r in rows) else 1
 
