@@ -1,9 +1,10 @@
 """How a generation is answered, shared by chat and completions: one JSON body, or Server-Sent Events
 (the endpoint's chunks, then an error event or the optional usage chunk, then ``data: [DONE]``).
 
-A request for n choices runs n generations (one engine request each, started together: their prompts
-are prefilled separately, there is no shared prefix yet); their stream chunks interleave, each
-carrying its choice's index, and usage counts the prompt once and every choice's completion tokens.
+A request for n choices runs n generations (one engine request each; the prompt is prefilled once,
+the other choices take it from the engine's prefix cache: ``_start_all``); their stream chunks
+interleave, each carrying its choice's index, and usage counts the prompt once and every choice's
+completion tokens.
 """
 
 from __future__ import annotations
@@ -97,12 +98,43 @@ async def event_stream(gens: list[g.Generation], streams: list,
     yield sse("[DONE]")
 
 
+class _Peeked:
+    """A started engine stream whose first output was already read (and is replayed first)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self._it = stream.__aiter__()
+        self._first: list = []
+
+    async def read_first(self) -> None:
+        try:
+            self._first.append(await self._it.__anext__())
+        except StopAsyncIteration:
+            pass
+
+    async def __aiter__(self):
+        for out in self._first:
+            yield out
+        async for out in self._it:
+            yield out
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
 async def _start_all(pool: EnginePool, gens: list[g.Generation]) -> list:
-    """Start every choice's generation; if one cannot start, the ones started are closed (aborted)."""
-    streams = []
+    """Start every choice's generation; if one cannot start, the ones started are closed (aborted).
+
+    Shared prefill: with several choices, the first one is started alone and the others once its first
+    token came back, i.e. once its prompt is in the engine's KV cache, from where the engine's prefix
+    cache copies it into theirs instead of computing it again (started together, each would compute it)."""
+    streams: list = []
     try:
         for gen in gens:
             streams.append(await g.start(pool, gen))
+            if len(gens) > 1 and len(streams) == 1:
+                streams[0] = _Peeked(streams[0])
+                await streams[0].read_first()
     except BaseException:
         for gen, stream in zip(gens, streams):
             await g.close(gen, stream)

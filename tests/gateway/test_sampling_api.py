@@ -61,6 +61,19 @@ def test_n_greedy_gives_n_equal_choices(client):
     assert r.choices[0].message.content == one.choices[0].message.content
 
 
+def test_n_prefills_the_prompt_once(stack, client, tokenizer):
+    """Choices 1..n-1 take the prompt's K/V from the engine's prefix cache (all but its last token,
+    which each computes for its own logits) instead of prefilling it again."""
+    prompt = "A prompt seen by no other test, long enough to be worth sharing between the choices: " * 3
+    before = httpx.get(stack[0].url + "/engine/v1/stats", timeout=10).json()["prefix_cache"]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, n=4, **GREEDY)
+    after = httpx.get(stack[0].url + "/engine/v1/stats", timeout=10).json()["prefix_cache"]
+    n_prompt = len(tokenizer.encode(prompt))
+    assert after["prompt_tokens"] - before["prompt_tokens"] == 4 * n_prompt
+    assert after["cached_tokens"] - before["cached_tokens"] == 3 * (n_prompt - 1)
+    assert len({c.text for c in r.choices}) == 1
+
+
 def test_n_sampled_gives_different_choices_reproducibly(client):
     def draw():
         r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, n=4, temperature=1.0, seed=5,
