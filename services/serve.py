@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     keys = gateway_cfg.api_key_list
 
     def ready() -> None:
-        model_id = engine.loaded.model_id
+        model_id = engine.info()["model_id"]  # the first --served-model-name, if any
         print(f"\nTandem is serving {model_id} (backend {engine_cfg.moe_backend.value}) on "
               f"http://{gateway_cfg.host}:{gateway_cfg.port}. Try:\n\n"
               f"{curl_example(gateway_cfg.host, gateway_cfg.port, model_id, keys[0] if keys else None)}\n", flush=True)

@@ -86,9 +86,15 @@ class EngineConfig:
     prefix_cache: bool = field(True, help="reuse the KV of a prompt's longest prefix already computed (a multi-turn "
                                          "chat's history, a system prompt shared by users) from a finished request's "
                                          "KV slot or a running one, instead of prefilling it again")
+    served_model_name: str = field("", help="the name(s) clients call the model by, comma-separated (aliases; the "
+                                            "first is its id in the engine's info); empty = the checkpoint's own id")
     host: str = field("127.0.0.1", help="address to listen on")
     port: int = field(8001, help="port to listen on")
     seed: int = field(0, help="seed for synthetic weights and the demo checkpoint")
+
+    @property
+    def served_model_names(self) -> list[str]:
+        return list(dict.fromkeys(n.strip() for n in self.served_model_name.split(",") if n.strip()))
 
     def __post_init__(self) -> None:
         self.device = Device(self.device)

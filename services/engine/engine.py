@@ -199,7 +199,7 @@ class Engine:
                  cfg.moe_backend.value)
         t0 = time.monotonic()
         self.loaded = load(cfg, progress=self._on_progress)
-        self._info = build_info(self.loaded, cfg.max_seq_len)
+        self._info = build_info(self.loaded, cfg.max_seq_len, cfg.served_model_names)
         pages = self._info["moe"]["host_pages"]
         if pages:
             log.info("host banks: %.1f GB in %d mappings, %.1f GB of it in transparent huge pages (THP %s)",

@@ -42,8 +42,11 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def build_info(loaded, max_seq_len: int) -> dict:
-    """GET /engine/v1/info: what the gateway needs to tokenize, template and stop (no torch objects)."""
+def build_info(loaded, max_seq_len: int, served_model_names: list[str] = ()) -> dict:
+    """GET /engine/v1/info: what the gateway needs to tokenize, template and stop (no torch objects).
+    ``model_id`` is the first served name (--served-model-name), else the checkpoint's own id;
+    ``served_model_names`` every name the gateway routes to this engine."""
+    names = list(served_model_names) or [loaded.model_id]
     model_dir = Path(loaded.model_dir)
     tok_path = model_dir / "tokenizer.json"
     if not tok_path.is_file():
@@ -57,7 +60,8 @@ def build_info(loaded, max_seq_len: int) -> dict:
     if not eos_ids:
         eos = _read_json(model_dir / "config.json").get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    return {"api_version": API_VERSION, "model_id": loaded.model_id, "max_seq_len": max_seq_len,
+    return {"api_version": API_VERSION, "model_id": names[0], "served_model_names": names,
+            "max_seq_len": max_seq_len,
             "tokenizer_json": tok_path.read_text(), "tokenizer_config": _read_json(model_dir / "tokenizer_config.json"),
             "generation_config": gen, "eos_token_ids": eos_ids,
             # the routed-expert geometry (benchmarks turn miss rates into bytes per token with it)

@@ -1,6 +1,7 @@
 """The OpenAI-compatible gateway: FastAPI app, its config and `tandem gateway`.
 
-Routes: /v1/models, /v1/chat/completions, /v1/completions (API keys), /admin/... (admin token),
+Routes: /v1/models[/{id}], /v1/chat/completions, /v1/completions, /tokenize, /detokenize (API keys),
+/v1/messages (Anthropic's Messages API, serving_anthropic.py), /admin/... (admin token),
 /health (the engines' state: loading progress, then serving), /metrics (Prometheus).
 Every error is OpenAI's body {"error": {"message", "type", "param", "code"}}: validation -> 400 (not
 FastAPI's 422), bad JSON -> 400, missing/wrong key -> 401, unknown model -> 404, body over
@@ -23,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.logging import get_logger, setup_logging
 from services.common.settings import add_dataclass_arguments, config_or_exit, field
-from services.gateway import serving_chat, serving_completions
+from services.gateway import serving_anthropic, serving_chat, serving_completions, serving_tokenize
 from services.gateway.admin import create_router as admin_router
 from services.gateway.auth import AuthError, api_key_guard
 from services.gateway.engines import EngineClient, EngineError, EnginePool, HttpEngineClient
@@ -205,11 +206,20 @@ def create_app(config: GatewayConfig, clients: list[EngineClient], on_startup=No
         body, content_type = render_metrics()
         return Response(body, media_type=content_type)
 
+    def card(name: str, e) -> ModelCard:
+        return ModelCard(id=name, created=int(time.time()), max_model_len=e.info.get("max_seq_len"))
+
     @app.get("/v1/models", dependencies=v1)
     async def models():
-        cards = [ModelCard(id=mid, created=int(time.time()), max_model_len=e.info.get("max_seq_len"))
-                 for mid, e in pool.models().items()]
-        return ModelList(data=cards).model_dump()
+        return ModelList(data=[card(name, e) for name, e in pool.models().items()]).model_dump()
+
+    @app.get("/v1/models/{model:path}", dependencies=v1)
+    async def model_card(model: str):
+        known = pool.models()
+        if model not in known:
+            return JSONResponse(error_body(f"The model `{model}` does not exist (served: {', '.join(known) or 'none'})",
+                                           "invalid_request_error", "model_not_found", "model"), 404)
+        return card(model, known[model]).model_dump()
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat(req: ChatCompletionRequest, request: Request):
@@ -220,6 +230,18 @@ def create_app(config: GatewayConfig, clients: list[EngineClient], on_startup=No
     async def completions(req: CompletionRequest, request: Request):
         request.state.model_name = req.model
         return await serving_completions.create_completion(pool, req, request.is_disconnected)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):  # checks the key itself: its errors have Anthropic's shape
+        return await serving_anthropic.create_message(pool, request, app.state.api_key_guard)
+
+    @app.post("/tokenize", dependencies=v1)
+    async def tokenize(req: serving_tokenize.TokenizeRequest):
+        return serving_tokenize.tokenize(pool, req)
+
+    @app.post("/detokenize", dependencies=v1)
+    async def detokenize(req: serving_tokenize.DetokenizeRequest):
+        return serving_tokenize.detokenize(pool, req)
 
     app.include_router(admin_router(pool, config.admin_token, config.redis_url, config.profiles_dir))
     return app

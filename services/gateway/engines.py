@@ -247,6 +247,13 @@ class EngineState:
     def model_id(self) -> str | None:
         return self.info.get("model_id") if self.info else None
 
+    @property
+    def names(self) -> list[str]:
+        """Every name this engine's model is served under (--served-model-name aliases)."""
+        if not self.info:
+            return []
+        return list(self.info.get("served_model_names") or [self.info.get("model_id")])
+
 
 class EnginePool:
     """Least-outstanding-requests routing over engines, with background health polling."""
@@ -306,11 +313,12 @@ class EnginePool:
         GatewayMetrics.set_engine_health(e.client.id, False)
 
     def models(self) -> dict[str, EngineState]:
-        """Known model ids -> one engine state holding its info (healthy or not)."""
+        """Known model names (every alias) -> one engine state holding its info (healthy or not)."""
         out: dict[str, EngineState] = {}
         for e in self.engines:
-            if e.model_id and (e.model_id not in out or e.healthy):
-                out[e.model_id] = e
+            for name in e.names:
+                if name not in out or e.healthy:
+                    out[name] = e
         return out
 
     def pick(self, model: str, exclude: set[int] = frozenset()) -> EngineState:
@@ -326,7 +334,7 @@ class EnginePool:
                                   "invalid_request_error", param="model")
             raise EngineError(503, f"no engine is available to serve `{model}` (engines down or loading)",
                               "service_unavailable", {"Retry-After": "5"})
-        candidates = [e for e in self.engines if e.healthy and e.model_id == model and id(e) not in exclude]
+        candidates = [e for e in self.engines if e.healthy and model in e.names and id(e) not in exclude]
         if not candidates:
             raise EngineError(503, f"every engine serving `{model}` is unavailable; retry later",
                               "service_unavailable", {"Retry-After": "5"})

@@ -57,6 +57,7 @@ class Generation:
     logprobs: list[dict] | None = None  # every token's entry (as Delta.logprobs) when asked
     # False when a special token is part of the answer's syntax (Mistral's [TOOL_CALLS]: chat_tools.py)
     skip_special_tokens: bool = True
+    stop_string: str | None = None  # the stop string that ended the text, if one did
 
     def choices(self, n: int) -> list["Generation"]:
         """This generation and n - 1 more of the same prompt (choices 0..n-1), each its own engine request.
@@ -189,6 +190,7 @@ async def deltas(gen: Generation, stream) -> AsyncIterator[Delta]:
                 if finish is None:  # still generating there: tell the engine it finished, not aborted
                     await engine.client.abort(gen.request_id, "stop")
                 finish = "stop"
+                gen.stop_string = stops.stop_string
             if finish is not None:
                 gen.finish_reason = finish
                 gen.text += delta

@@ -104,15 +104,47 @@ COMPLETION_FIELDS: dict[str, FieldRule] = {
 }
 
 
+ANTHROPIC_FIELDS: dict[str, FieldRule] = {  # POST /v1/messages (serving_anthropic.py)
+    "model": _honoured("a model name the engines serve (GET /v1/models)"),
+    "messages": _honoured("user/assistant turns rendered with the model's chat template; text blocks only "
+                          "(others: 400)"),
+    "max_tokens": _honoured("the completion's token limit (400 when prompt + it exceed the context)"),
+    "cache_control": _honoured("accepted as a hint only: the engine's prefix cache reuses any repeated prefix "
+                               "by itself (usage.cache_read_input_tokens)"),
+    "container": _refused("code-execution containers are not supported"),
+    "diagnostics": _refused("diagnostics are not supported"),
+    "inference_geo": _refused("inference geography is not supported"),
+    "metadata": _honoured("accepted as information only (user_id; changes no output)"),
+    "output_config": _refused("output configuration (effort, structured output) is not served yet"),
+    "service_tier": _refused("service tiers are not supported", "auto", "standard_only"),
+    "speed": _refused("speed modes are not supported"),
+    "stop_sequences": _honoured("up to 4 strings; stop_reason \"stop_sequence\" names the one that matched"),
+    "stream": _honoured("Anthropic's named SSE events (message_start ... message_stop)"),
+    "system": _honoured("rendered as the chat template's system message (a string or text blocks)"),
+    "temperature": _honoured("0 is greedy, up to 1; default from the model's generation_config"),
+    "thinking": _refused("extended thinking is not supported; models that can think take "
+                         "the OpenAI endpoint's chat_template_kwargs", {"type": "disabled"}),
+    "tool_choice": _refused(_TOOLS_LATER, {"type": "none"}),
+    "tools": _refused(_TOOLS_LATER, []),
+    "top_k": _honoured("keep the k most likely tokens (0: all)"),
+    "top_p": _honoured("nucleus sampling; default from the model's generation_config"),
+    "user_profile_id": _refused("user profiles are not supported"),
+    "workspace_id": _refused("workspaces are not supported"),
+}
+
+
 def table_for(req) -> dict[str, FieldRule]:
     return CHAT_FIELDS if hasattr(req, "messages") else COMPLETION_FIELDS
 
 
 def refuse_unsupported(req) -> None:
     """Raise RequestError (400, param = the field) for the first field set to a value Tandem refuses."""
+    refuse_fields(req, table_for(req))
+
+
+def refuse_fields(req, table: dict[str, FieldRule]) -> None:
     from services.gateway.generation import RequestError
 
-    table = table_for(req)
     for name in type(req).model_fields:
         rule = table[name]
         value = getattr(req, name)

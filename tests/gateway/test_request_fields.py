@@ -15,7 +15,8 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from services.gateway.request_fields import CHAT_FIELDS, COMPLETION_FIELDS, HONOURED, REFUSED
+from services.gateway.request_fields import ANTHROPIC_FIELDS, CHAT_FIELDS, COMPLETION_FIELDS, HONOURED, REFUSED
+from services.gateway.serving_anthropic import MessagesRequest
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "openai-api.md"
 MODEL = "tandem-demo"
@@ -57,6 +58,16 @@ def test_models_declare_every_openai_field_and_the_table_covers_them(model, tabl
     assert model.model_config.get("extra") == "forbid"  # an undeclared field is refused, not ignored
 
 
+def test_anthropic_model_declares_every_sdk_field_and_the_table_covers_them():
+    from anthropic.types import message_create_params
+
+    declared = set(MessagesRequest.model_fields)
+    sdk = set(message_create_params.MessageCreateParamsBase.__annotations__) | {"stream"}
+    assert sdk - declared == set(), "fields of Anthropic's request the model does not declare"
+    assert set(ANTHROPIC_FIELDS) == declared
+    assert MessagesRequest.model_config.get("extra") == "forbid"
+
+
 def test_every_field_has_a_sample():
     assert set(CHAT_FIELDS) | set(COMPLETION_FIELDS) <= set(SAMPLES)
 
@@ -67,7 +78,8 @@ def _doc_rows(section: str) -> dict[str, tuple[str, str]]:
     return {m[0]: (m[1], m[2].strip()) for m in re.findall(r"^\| `(\w+)` \| (\w+) \| (.*) \|$", body, re.M)}
 
 
-@pytest.mark.parametrize("section,table", [("## Chat completions", CHAT_FIELDS), ("## Completions", COMPLETION_FIELDS)])
+@pytest.mark.parametrize("section,table", [("## Chat completions", CHAT_FIELDS), ("## Completions", COMPLETION_FIELDS),
+                                           ("## Anthropic Messages", ANTHROPIC_FIELDS)])
 def test_docs_table_matches_the_code(section, table):
     assert _doc_rows(section) == {k: (r.support, r.note.replace("|", "/")) for k, r in table.items()}
 
