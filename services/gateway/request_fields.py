@@ -124,8 +124,10 @@ ANTHROPIC_FIELDS: dict[str, FieldRule] = {  # POST /v1/messages (serving_anthrop
     "temperature": _honoured("0 is greedy, up to 1; default from the model's generation_config"),
     "thinking": _refused("extended thinking is not supported; models that can think take "
                          "the OpenAI endpoint's chat_template_kwargs", {"type": "disabled"}),
-    "tool_choice": _refused(_TOOLS_LATER, {"type": "none"}),
-    "tools": _refused(_TOOLS_LATER, []),
+    "tool_choice": _honoured("auto, any (a call is forced), tool (that tool is forced) or none; "
+                             "disable_parallel_tool_use: at most one call"),
+    "tools": _honoured("client tools (input_schema), rendered by the chat template; calls come back as tool_use "
+                       "blocks (stop_reason \"tool_use\")"),
     "top_k": _honoured("keep the k most likely tokens (0: all)"),
     "top_p": _honoured("nucleus sampling; default from the model's generation_config"),
     "user_profile_id": _refused("user profiles are not supported"),

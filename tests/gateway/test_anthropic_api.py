@@ -20,7 +20,7 @@ GREEDY = {"extra_body": {"temperature": 0}}  # no longer in the newest SDK's typ
 
 @pytest.fixture(scope="module")
 def server(serve_process):
-    return serve_process("--model", "demo", "--max-seq-len", "256", "--api-key", KEY)
+    return serve_process("--model", "demo", "--max-seq-len", "1024", "--api-key", KEY)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_stream_events_in_anthropic_order(client, server):
     with httpx.stream("POST", server.url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60) as r:
         events = [line[len("event: "):] for line in r.iter_lines() if line.startswith("event: ")]
     deltas = events[3:-3]
-    assert events[:3] == ["message_start", "content_block_start", "ping"]
+    assert events[:3] == ["message_start", "ping", "content_block_start"]
     assert deltas and set(deltas) == {"content_block_delta"}
     assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
 
@@ -88,7 +88,7 @@ def test_keys_are_checked(server):
 
 
 @pytest.mark.parametrize("extra,named", [
-    ({"tools": [{"name": "get_weather", "input_schema": {"type": "object"}}]}, "tools"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
     ({"extra_body": {"top_logprobs": 3}}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "x"}}]}]},
@@ -108,3 +108,46 @@ def test_neutral_values_pass(client):
                                tools=[], metadata={"user_id": "u1"}, service_tier="auto")
     assert m.usage.output_tokens <= 3
     assert json.loads(m.model_dump_json())["content"][0]["type"] == "text"
+
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city.",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                             "days": {"type": "integer", "minimum": 1,
+                                                                      "maximum": 7}},
+                            "required": ["city", "days"], "additionalProperties": False}}
+
+
+@pytest.mark.parametrize("choice", [{"type": "tool", "name": "get_weather"}, {"type": "any"}])
+def test_forced_tool_use_validates_against_its_schema(client, choice):
+    import jsonschema
+
+    kw = dict(model=MODEL, max_tokens=200, messages=MESSAGES, tools=[WEATHER], tool_choice=choice, **GREEDY)
+    m = client.messages.create(**kw)
+    assert m.stop_reason == "tool_use", m
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert uses and uses[0].name == "get_weather" and uses[0].id
+    jsonschema.validate(uses[0].input, WEATHER["input_schema"])
+    with client.messages.stream(**kw) as stream:  # streamed: the same call, as input_json_delta
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use"
+    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [(u.name, u.input) for u in uses]
+
+
+def test_tool_round_trip_renders_as_the_openai_endpoint(client, oai):
+    turns = [*MESSAGES,
+             {"role": "assistant", "content": [{"type": "text", "text": "Let me look."},
+                                               {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                "input": {"city": "Oslo", "days": 2}}]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                           "content": [{"type": "text", "text": "Rain."}]}]}]
+    m = client.messages.create(model=MODEL, max_tokens=8, messages=turns, tools=[WEATHER], **GREEDY)
+    fn = {"name": "get_weather", "description": WEATHER["description"], "parameters": WEATHER["input_schema"]}
+    twin = oai.chat.completions.create(
+        model=MODEL, max_tokens=8, temperature=0, tools=[{"type": "function", "function": fn}],
+        messages=[*MESSAGES, {"role": "assistant", "content": "Let me look.", "tool_calls": [
+            {"id": "toolu_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'}}]},
+            {"role": "tool", "tool_call_id": "toolu_1", "content": "Rain."}])
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == twin.usage.prompt_tokens
+    text = "".join(b.text for b in m.content if b.type == "text")
+    assert text == (twin.choices[0].message.content or "")
