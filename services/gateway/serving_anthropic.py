@@ -35,7 +35,7 @@ from services.gateway.engines import EngineError, EnginePool
 from services.gateway.protocol import ChatCompletionRequest, new_id
 from services.gateway.request_fields import ANTHROPIC_FIELDS, refuse_fields
 from services.gateway.responses import SSE_HEADERS
-from services.gateway.serving_chat import prepare
+from services.gateway.serving_chat import prepare_with_tools
 from services.gateway.tool_parsers import ToolCallStream
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -274,7 +274,7 @@ async def create_message(pool: EnginePool, request: Request, check_key) -> Respo
             return error(400, _validation_message(exc))
         request.state.model_name = req.model
         refuse_fields(req, ANTHROPIC_FIELDS)
-        gen, plan = prepare(pool, to_chat(req))
+        gen, plan = prepare_with_tools(pool, to_chat(req))
         stream = await g.start(pool, gen)
     except (AuthError, g.RequestError, EngineError) as exc:
         return error(exc.status, exc.body["error"]["message"])
