@@ -22,7 +22,9 @@ GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 
 @pytest.fixture(scope="module")
 def stack(engine_process, gateway_process):
-    engine = engine_process("--model", "demo", "--max-seq-len", "256", "--max-running-requests", "4")
+    # prompts prefilled 16 tokens a step: a long prompt spans several steps (test_n_prefills_the_prompt_once)
+    engine = engine_process("--model", "demo", "--max-seq-len", "256", "--max-running-requests", "4",
+                            "--max-prefill-tokens", "16")
     gateway = gateway_process("--engine", engine.url, "--api-key", API_KEY)
     return engine, gateway
 
