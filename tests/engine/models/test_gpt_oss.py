@@ -161,3 +161,26 @@ def test_missing_mxfp4_tensor_is_named(hf_checkpoints, tmp_path):
     save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(LoaderError, match=r"missing tensor 'model\.layers\.1\.mlp\.experts\.down_proj_scales'"):
         load_model(EngineConfig(model=str(d)))
+
+
+@pytest.mark.parametrize("backend", ["resident", "cpu"])
+def test_bfloat16_close_to_transformers(backend, hf_checkpoints):
+    """bf16 weights, bias banks and activations (the CPU executor's bf16 path on `cpu`) stay within bf16
+    tolerance of transformers' fp32 logits, scaled by the logit range."""
+    from services.engine.models.registry import load_model
+    from services.engine.runtime.kv_cache import ForwardBatch, KVCache
+    from tests.helpers import hf_last_logits
+
+    c = hf_checkpoints["gpt_oss"]
+    cfg = EngineConfig(model=str(c.dir), dtype="bfloat16", moe_backend=backend,
+                       **({} if backend == "resident" else {"moe_cache_size": 2}))
+    lm = load_model(cfg)
+    try:
+        kv = KVCache(lm.spec, 1, 64, "cpu", torch.bfloat16)
+        ids = torch.tensor(PROMPT)
+        lm.model(ids[:-1], torch.arange(len(PROMPT) - 1), ForwardBatch.single(0, 0, len(PROMPT) - 1), kv)
+        ours = lm.model(ids[-1:], torch.tensor([len(PROMPT) - 1]), ForwardBatch.single(0, len(PROMPT) - 1, 1), kv)[0]
+    finally:
+        getattr(lm.backend, "close", lambda: None)()
+    ref = hf_last_logits(c.hf, PROMPT)
+    assert (ours - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
