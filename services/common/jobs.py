@@ -9,6 +9,7 @@ Job record (``JobStore``; Redis hash ``tandem:job:<id>``, expiring with the Cele
 
     kind, queue, request (JSON), submitted_at    written by the submitter before the task is sent
     worker, attempts, started_at                 written by the worker each time it starts the job
+    heartbeat_at                                 refreshed by the worker every HEARTBEAT_S while it runs
     progress (JSON)                              the benchmark's latest progress line, best effort
 
 Celery's own result holds only the end state (SUCCESS / FAILURE); whether a job was ever submitted,
@@ -32,6 +33,8 @@ BENCH_LOAD_TASK = "tandem.bench_load"
 SHARED_QUEUE = "tandem.profiler"  # every worker consumes it (single-host setups: "any GPU host")
 JOB_TTL_S = 7 * 24 * 3600  # records and Celery results both expire after a week
 MAX_ATTEMPTS = 3  # a job whose worker died this many times (OOM kill, ...) fails instead of running again
+HEARTBEAT_S = 10  # a running job's worker says it is alive this often
+STALLED_AFTER_S = 6 * HEARTBEAT_S  # silent this long: its worker is presumed dead (the job view says so)
 KEY_PREFIX = "tandem:job:"
 RUNNING_PREFIX = "tandem:worker-running:"  # per worker hostname: the job ids it has started, not ended
 
@@ -151,12 +154,16 @@ class JobStore:
         key = KEY_PREFIX + job_id
         with self.redis.pipeline() as pipe:
             pipe.hincrby(key, "attempts", 1)
-            pipe.hset(key, mapping={"worker": worker, "started_at": f"{time.time():.3f}"})
+            now = f"{time.time():.3f}"
+            pipe.hset(key, mapping={"worker": worker, "started_at": now, "heartbeat_at": now})
             pipe.hdel(key, "progress")
             pipe.expire(key, JOB_TTL_S)
             pipe.sadd(RUNNING_PREFIX + worker, job_id)
             attempts = pipe.execute()[0]
         return int(attempts)
+
+    def heartbeat(self, job_id: str) -> None:
+        self.redis.hset(KEY_PREFIX + job_id, "heartbeat_at", f"{time.time():.3f}")
 
     def progress(self, job_id: str, meta: dict) -> None:
         self.redis.hset(KEY_PREFIX + job_id, "progress", json.dumps(meta))

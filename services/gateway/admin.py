@@ -19,6 +19,7 @@ job is recorded in Redis before it is sent (services/common/jobs.py): its state 
 from __future__ import annotations
 
 import asyncio
+import time
 from functools import lru_cache
 from typing import Any
 
@@ -27,7 +28,7 @@ from fastapi.responses import JSONResponse
 
 from pydantic import TypeAdapter, ValidationError
 
-from services.common.jobs import SHARED_QUEUE, TASKS, JobRequest, JobStore, send_job
+from services.common.jobs import SHARED_QUEUE, STALLED_AFTER_S, TASKS, JobRequest, JobStore, send_job
 from services.common.logging import get_logger
 from services.gateway.auth import admin_guard
 from services.gateway.engines import EngineError, EnginePool
@@ -58,7 +59,7 @@ def job_view(job_id: str, record: dict, result) -> dict:
     out: dict[str, Any] = {"id": job_id, "task": TASKS.get(record.get("kind"), record.get("kind")),
                            "queue": record.get("queue"), "request": record.get("request"), "state": state,
                            "progress": None, "result": None, "error": None, "attempts": record["attempts"],
-                           "worker": record.get("worker")}
+                           "worker": record.get("worker"), "stalled": False}
     if state == "SUCCESS":
         out["result"] = info
         out["progress"] = {"fraction": 1.0}
@@ -67,6 +68,12 @@ def job_view(job_id: str, record: dict, result) -> dict:
     elif record["attempts"] > 0:  # a worker has started it
         out["state"] = "PROGRESS" if record.get("progress") else "STARTED"
         out["progress"] = record.get("progress")
+        silent_s = time.time() - float(record.get("heartbeat_at") or record.get("started_at") or 0)
+        if silent_s > STALLED_AFTER_S:  # its worker died (or lost Redis): say so, the state is its last word
+            out["stalled"] = True
+            out["error"] = (f"worker {record.get('worker')} has not reported for {silent_s:.0f} s: the job runs "
+                            "again when that worker restarts, or when another worker on its queue takes it over "
+                            "after the visibility timeout")
     return out
 
 

@@ -26,7 +26,7 @@ from celery.exceptions import Ignore, SoftTimeLimitExceeded
 from celery.states import READY_STATES
 from pydantic import TypeAdapter, ValidationError
 
-from services.common.jobs import MAX_ATTEMPTS, BenchBwRequest, BenchLoadRequest, JobRequest, JobStore
+from services.common.jobs import HEARTBEAT_S, MAX_ATTEMPTS, BenchBwRequest, BenchLoadRequest, JobRequest, JobStore
 from services.common.logging import get_logger
 from services.common.settings import env
 from services.profiler.app import BW_LIMIT_S, LOAD_LIMIT_S, app
@@ -128,9 +128,20 @@ class Job:
                              f"memory?); not running it again")
         if attempt > 1:
             log.warning("job %s: attempt %d (the previous one's worker died)", self.id, attempt)
+        self._beating = threading.Event()
+        threading.Thread(target=self._heartbeat, name=f"heartbeat-{self.id}", daemon=True).start()
         return self
 
+    def _heartbeat(self) -> None:
+        """While the job runs: tell the record this worker is alive (the job view flags a silent one)."""
+        while not self._beating.wait(HEARTBEAT_S):
+            try:
+                self.store.heartbeat(self.id)
+            except Exception:  # noqa: BLE001 — Redis away: the next beat tries again
+                pass
+
     def __exit__(self, *exc) -> None:
+        self._beating.set()
         try:
             self.store.ended(self.id, self.worker)
         except Exception as e:  # noqa: BLE001 — Redis down: the record only misses its end

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 from celery import Celery
 
 from services.common import profiles as P
-from services.common.jobs import MAX_ATTEMPTS, BenchBwRequest, JobStore, send_job
+from services.common.jobs import MAX_ATTEMPTS, STALLED_AFTER_S, BenchBwRequest, JobStore, send_job
 
 FAST = BenchBwRequest(model="tiny", seconds=0.05, buffer_mib=4, cpu_kernel="torch")
 SLOW = FAST.model_copy(update={"seconds": 0.4})  # ~10 s of measurements: time to act mid-job
@@ -63,17 +64,39 @@ def test_queued_and_finished_jobs_survive_a_redis_restart(redis_process, worker_
     assert client.wait_end(queued).state == "SUCCESS"
 
 
-def test_worker_killed_mid_job_is_requeued_when_it_comes_back(redis_server, worker_process, tmp_path):
+def _admin_job(gateway, job_id: str) -> dict:
+    deadline = time.monotonic() + 60
+    while True:  # the gateway may still be starting
+        try:
+            r = httpx.get(f"{gateway.url}/admin/jobs/{job_id}", headers={"Authorization": "Bearer adm"}, timeout=10)
+            assert r.status_code == 200, r.text
+            return r.json()
+        except httpx.TransportError:
+            assert time.monotonic() < deadline, gateway.log_tail()
+            time.sleep(0.3)
+
+
+def test_worker_killed_mid_job_is_requeued_when_it_comes_back(redis_server, worker_process, gateway_process,
+                                                              tmp_path):
+    gateway = gateway_process("--engine", "http://127.0.0.1:9", "--admin-token", "adm", "--redis-url", redis_server,
+                              wait=False)
     worker = worker_process(redis_server, tmp_path / "profiles")
     client = Client(redis_server)
     job = client.send(SLOW, worker.queue)
     assert client.wait_progress(job)["worker"] == worker.hostname
+    assert _admin_job(gateway, job)["stalled"] is False
     worker.kill()  # kill -9: no chance to report anything
     assert client.state(job) == "PENDING"
+    # the worker stays silent: after STALLED_AFTER_S the job view says so (the wait itself skipped)
+    client.store.redis.hset("tandem:job:" + job, "heartbeat_at", time.time() - STALLED_AFTER_S - 1)
+    view = _admin_job(gateway, job)
+    assert view["state"] == "PROGRESS" and view["stalled"] is True and worker.hostname in view["error"]
     worker.start()
     result = client.wait_end(job)
     assert result.state == "SUCCESS", result.result
     assert client.store.get(job)["attempts"] == 2
+    view = _admin_job(gateway, job)
+    assert view["state"] == "SUCCESS" and view["stalled"] is False and view["attempts"] == 2
     assert (tmp_path / "profiles" / P.profile_filename(result.result["gpu_uuid"])).exists()
     assert not list((tmp_path / "profiles").glob(".tmp-*"))
     assert "requeued" in worker.log_tail(20000)
