@@ -17,6 +17,7 @@ from services.common.tokenizer import StopStringMatcher
 from services.gateway.engines import EngineError, EnginePool, EngineState, new_request_id
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import error_body
+from services.gateway.reasoning import harmony_splitter
 
 log = get_logger("gateway.generation")
 
@@ -38,6 +39,7 @@ class Delta:
     # the tokens that came with this delta, when the request asked for logprobs:
     # {"token_id", "logprob", "top": [[id, logprob], ...]} each (the ids of a delta and its text need not align)
     logprobs: list[dict] = field(default_factory=list)
+    reasoning: str = ""  # harmony models: text of the analysis channel (reasoning.py), apart from ``text``
 
 
 @dataclass
@@ -57,6 +59,7 @@ class Generation:
     logprobs: list[dict] | None = None  # every token's entry (as Delta.logprobs) when asked
     # False when a special token is part of the answer's syntax (Mistral's [TOOL_CALLS]: chat_tools.py)
     skip_special_tokens: bool = True
+    reasoning: str = ""  # harmony models: the analysis channel's text (reasoning_content)
     stop_string: str | None = None  # the stop string that ended the text, if one did
 
     def choices(self, n: int) -> list["Generation"]:
@@ -168,6 +171,8 @@ async def deltas(gen: Generation, stream) -> AsyncIterator[Delta]:
     engine = gen.engine
     detok = engine.tokenizer.detokenizer(skip_special_tokens=gen.skip_special_tokens)
     stops = StopStringMatcher(gen.stop)
+    splitter = harmony_splitter(engine.tokenizer)  # harmony (gpt-oss): reasoning apart from the answer
+    reasoning_detok = engine.tokenizer.detokenizer() if splitter is not None else None
     try:
         async for out in stream:
             ids = out.get("token_ids", [])
@@ -180,6 +185,13 @@ async def deltas(gen: Generation, stream) -> AsyncIterator[Delta]:
                 logprobs = logprobs[:len(ids)]
             if gen.sampling.get("logprobs") is not None:
                 gen.logprobs = (gen.logprobs or []) + logprobs
+            reasoning = ""
+            if splitter is not None:
+                reasoning_ids, ids = splitter.feed(ids)
+                reasoning = reasoning_detok.add_many(reasoning_ids)
+                if finish is not None:
+                    reasoning += reasoning_detok.finish()
+                gen.reasoning += reasoning
             delta, matched = stops.feed(detok.add_many(ids))
             if not matched and finish is not None:
                 if finish == "abort":
@@ -196,11 +208,11 @@ async def deltas(gen: Generation, stream) -> AsyncIterator[Delta]:
                 gen.text += delta
                 log.debug("request %s on engine %s: %d prompt + %d completion tokens, finish %s", gen.request_id,
                           engine.client.id, gen.prompt_tokens, gen.completion_tokens, finish)
-                yield Delta(delta, finish, logprobs)
+                yield Delta(delta, finish, logprobs, reasoning)
                 return
-            if delta or logprobs:
+            if delta or logprobs or reasoning:
                 gen.text += delta
-                yield Delta(delta, logprobs=logprobs)
+                yield Delta(delta, logprobs=logprobs, reasoning=reasoning)
     finally:
         engine.outstanding -= 1
         GatewayMetrics.set_engine_outstanding(engine.client.id, engine.outstanding)

@@ -38,6 +38,7 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # extension (vLLM's): an earlier answer's reasoning, for the template
 
     def text(self) -> str:
         """The content as one string (text parts joined; other part types rejected upstream)."""
@@ -187,6 +188,8 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] | None = None
+    # extension (vLLM's): harmony models' analysis channel, apart from the answer
+    reasoning_content: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -221,6 +224,7 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None  # extension (vLLM's), see ChatResponseMessage
 
 
 class ChatChunkChoice(BaseModel):

@@ -77,6 +77,8 @@ async def create_chat_completion(pool: EnginePool, req: ChatCompletionRequest, i
 
     def choice(x: g.Generation) -> ChatChoice:
         message, finish = answer_message(plan, x.text, x.finish_reason)
+        if x.reasoning:
+            message.reasoning_content = x.reasoning
         return ChatChoice(index=x.index, message=message, logprobs=logprobs(x, x.logprobs), finish_reason=finish)
 
     def body(response_id: str) -> ChatCompletionResponse:
@@ -104,6 +106,8 @@ def _stream(gens: list[g.Generation], plan: ToolPlan, streams, model: str, respo
         return sse(body)
 
     def events_of(gen: g.Generation, d: g.Delta):
+        if d.reasoning:  # harmony: the analysis channel, before the answer text of the same delta
+            yield chunk(gen.index, DeltaMessage(reasoning_content=d.reasoning))
         tools = calls.get(gen.index)
         if tools is None:
             if d.text or d.logprobs:
