@@ -66,6 +66,14 @@ class Stack:
                                  f"\n{result.stderr[-5000:]}")
         return result
 
+    def exec(self, service: str, *cmd: str) -> str:
+        """``cmd``'s output in ``service``'s container (podman's own exec: exec sessions made through the
+        API by `docker-compose exec` leave their conmon behind in podman 4.3)."""
+        return self.podman.run("exec", self.container(service), *cmd).stdout
+
+    def container(self, service: str) -> str:
+        return self.compose("ps", "-q", service).stdout.strip()
+
     def logs(self, service: str, lines: int = 40) -> str:
         return self.compose("logs", "--no-color", "--tail", str(lines), service, check=False).stdout
 
@@ -119,8 +127,14 @@ def stack():
             running.timed("every service healthy", wait_healthy, running)
             yield running
     finally:
-        if not getattr(running, "down_done", False):
+        if not getattr(running, "down_done", False):  # a failed run: leave nothing behind either
             running.compose("down", "-v", check=False)
+            label = f"label=com.docker.compose.project={PROJECT}"
+            for kind in ("container", "volume", "network"):
+                every = ["-a"] if kind == "container" else []
+                ids = podman.run(kind, "ls", "-q", *every, "--filter", label, check=False).stdout.split()
+                if ids:
+                    podman.run(kind, "rm", "-f", *ids, check=False)
         podman.stop_service()
         summary(running)
 
@@ -166,10 +180,9 @@ def test_the_engine_loaded_the_cpu_executor_built_into_its_image(stack):
     """The hybrid backend's C++ extension was compiled by the image build, not at the container's start:
     the engine logged loading it, and the library is older than the container."""
     assert "cpu executor extension ready" in stack.logs("engine", lines=10_000)
-    container = stack.compose("ps", "-q", "engine").stdout.strip()
-    started = int(stack.podman.run("inspect", "--format", "{{.State.StartedAt.Unix}}", container).stdout)
-    built = stack.compose("exec", "-T", "engine", "sh", "-c",
-                          "stat -c '%Y %n' $(find /opt/tandem/ext -name '*.so')").stdout.splitlines()
+    started = int(stack.podman.run("inspect", "--format", "{{.State.StartedAt.Unix}}",
+                                   stack.container("engine")).stdout)
+    built = stack.exec("engine", "sh", "-c", "stat -c '%Y %n' $(find /opt/tandem/ext -name '*.so')").splitlines()
     assert built and all(int(line.split()[0]) < started for line in built), (started, built)
 
 
@@ -189,9 +202,9 @@ def test_profile_job_lands_in_the_shared_volume(stack):
     assert job["state"] == "SUCCESS", f"{job}\n{stack.logs('worker')}"
     listed = httpx.get(stack.url("gateway", "/admin/profiles"), headers=admin, timeout=30).json()["data"]
     assert len(listed) == 1 and listed[0]["valid"], listed
-    seen_by_engine = stack.compose("exec", "-T", "engine", "python", "-c",
-                                   "from services.common.profiles import list_profiles; "
-                                   "print(*[e.path.name for e in list_profiles() if e.profile])").stdout.split()
+    seen_by_engine = stack.exec("engine", "python", "-c",
+                                "from services.common.profiles import list_profiles; "
+                                "print(*[e.path.name for e in list_profiles() if e.profile])").split()
     assert seen_by_engine == [listed[0]["file"]], (seen_by_engine, listed)
 
 

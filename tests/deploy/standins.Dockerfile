@@ -3,15 +3,19 @@
 # healthchecks the compose file gives the real images. One target per service.
 ARG BASE_IMAGE
 
-# redis:7.4.1-alpine -> Debian's redis-server; compose runs `redis-server --save "" ...`, healthcheck
-# `redis-cli ping`. The official image serves other containers with no password (protected mode off by
+# redis:7.4.1-alpine -> Debian's redis-server; compose runs `redis-server --appendonly yes ...`,
+# healthcheck `redis-cli ping`. The official image serves other containers with no password (protected mode off by
 # default); Debian's binary refuses them unless told, so `redis-server` on PATH says so first.
 FROM ${BASE_IMAGE} AS redis
 RUN apt-get update \
     && apt-get install -y --no-install-recommends redis-server \
     && rm -rf /var/lib/apt/lists/* \
     && printf '#!/bin/sh\nexec /usr/bin/redis-server --protected-mode no "$@"\n' > /usr/local/bin/redis-server \
-    && chmod 755 /usr/local/bin/redis-server
+    && chmod 755 /usr/local/bin/redis-server \
+    && mkdir /data \
+    && chown redis:redis /data
+# Like the official image: the append-only file goes to /data (compose mounts a volume there).
+WORKDIR /data
 USER redis
 EXPOSE 6379
 CMD ["redis-server"]
