@@ -9,7 +9,8 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SKIP_DIRS = {".git", ".venv", "venv", "node_modules", "__pycache__", ".pytest_cache", "build", "dist", ".eggs"}
+SKIP_DIRS = {".git", ".venv", "venv", "node_modules", "__pycache__", ".pytest_cache", "build", "dist", ".eggs",
+             ".cache"}  # gitignored scratch: dclint's node_modules, the compose test's podman storage
 TEXT_SUFFIXES = {".py", ".md", ".sh", ".yml", ".yaml", ".json", ".toml", ".txt", ".cpp", ".h", ".c", ".ini",
                  ".cfg", ".example", ".j2", ".jinja"}
 TOP_DIRS = sorted(p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name not in SKIP_DIRS)
