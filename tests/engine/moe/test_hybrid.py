@@ -17,7 +17,7 @@ from services.engine.moe.backends import BackendContext  # noqa: E402
 from services.engine.moe.hybrid import HybridBackend  # noqa: E402
 from tests.helpers import CPU_PLAYS_THE_DEVICE, greedy_generate, on_cuda_with_resident_tokens, resident_greedy  # noqa: E402
 
-ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss"]
 PROMPT = [(7 * i + 3) % 120 + 4 for i in range(40)]  # 40 tokens: prefill above the split path (offload)
 SHORT = [5, 17, 33, 2, 90]  # 5 tokens: even the prefill takes the split path (T > 1 on the CPU)
 NEW_TOKENS = 8
@@ -137,7 +137,7 @@ def test_registered_and_built_by_config(hf_checkpoints, loaded):
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("graph_mode", [False, True], ids=["eager-handoff", "graph-handoff"])
 @pytest.mark.parametrize("mode", [MoEBackend.CPU, MoEBackend.HYBRID])
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "gpt_oss"])
 def test_cuda_greedy_equals_resident(arch, mode, graph_mode, policy, hf_checkpoints):
     """The real data path: Triton ensure kernels, pinned handoff (stream-written flags), overlap."""
     d = str(hf_checkpoints[arch].dir)

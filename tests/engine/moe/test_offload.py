@@ -18,7 +18,7 @@ from services.engine.moe.offload import OffloadBackend  # noqa: E402
 from services.engine.moe.sizing import GiB, CacheGeometry, decide_cache_size  # noqa: E402
 from tests.helpers import CPU_PLAYS_THE_DEVICE, greedy_generate, resident_greedy  # noqa: E402
 
-ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss"]
 PROMPT = [(7 * i + 3) % 120 + 4 for i in range(40)]  # 40 tokens: a prefill touching every expert
 NEW_TOKENS = 8
 
