@@ -252,7 +252,7 @@ def _curl_for_gateway(port: int) -> str:
     keys = env_list("TANDEM_API_KEYS")
     headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
     model_id = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
-    return curl_example("127.0.0.1", port, model_id, keys[0] if keys else None)
+    return curl_example("127.0.0.1", port, model_id, bool(keys))
 
 
 def main(argv: list[str] | None = None) -> int:

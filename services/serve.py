@@ -15,6 +15,7 @@ from services.common.logging import get_logger, setup_logging
 from services.common.settings import add_dataclass_arguments, config_or_exit, env
 from services.engine.config import EngineConfig
 from services.gateway.app import GatewayConfig, create_app
+from services.gateway.shutdown import gateway_server
 
 log = get_logger("serve")
 
@@ -29,13 +30,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def curl_example(host: str, port: int, model_id: str, api_key: str | None) -> str:
-    """A ready-to-paste chat request against this server."""
+def curl_example(host: str, port: int, model_id: str, needs_key: bool) -> str:
+    """A ready-to-paste chat request against this server. The API key is never printed (terminals and
+    logs are kept and shared): with keys, the request reads it from $OPENAI_API_KEY, which OpenAI's
+    clients read too."""
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     body = json.dumps({"model": model_id, "messages": [{"role": "user", "content": "Hello! Who are you?"}],
                        "max_tokens": 32})
-    auth = f" \\\n  -H {shlex.quote('Authorization: Bearer ' + api_key)}" if api_key else ""
-    return (f"curl http://{shown}:{port}/v1/chat/completions \\\n  -H 'Content-Type: application/json'{auth} \\\n"
+    auth = ' \\\n  -H "Authorization: Bearer $OPENAI_API_KEY"' if needs_key else ""
+    note = "# export OPENAI_API_KEY=<one of the gateway's API keys> first\n" if needs_key else ""
+    return (f"{note}curl http://{shown}:{port}/v1/chat/completions \\\n  -H 'Content-Type: application/json'{auth} \\\n"
             f"  -d {shlex.quote(body)}")
 
 
@@ -59,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         model_id = engine.info()["model_id"]  # the first --served-model-name, if any
         print(f"\nTandem is serving {model_id} (backend {engine_cfg.moe_backend.value}) on "
               f"http://{gateway_cfg.host}:{gateway_cfg.port}. Try:\n\n"
-              f"{curl_example(gateway_cfg.host, gateway_cfg.port, model_id, keys[0] if keys else None)}\n", flush=True)
+              f"{curl_example(gateway_cfg.host, gateway_cfg.port, model_id, bool(keys))}\n", flush=True)
 
     engine = Engine(engine_cfg, on_ready=ready)
     app = create_app(gateway_cfg, [InProcessEngineClient(engine)], before_metrics=engine.refresh_metrics)
@@ -71,4 +75,6 @@ def main(argv: list[str] | None = None) -> int:
         app.include_router(create_control_router(engine, dependencies=[Depends(engine_token_guard(engine_token))]))
     log.info("gateway on http://%s:%d; loading %s in the background (GET /health for progress)",
              gateway_cfg.host, gateway_cfg.port, engine_cfg.model)
-    return run_until_stopped("tandem serve", app, engine, gateway_cfg.host, gateway_cfg.port)
+    # the gateway's server: its limits, and on SIGTERM --shutdown-grace-s for requests in flight
+    return run_until_stopped("tandem serve", app, engine, gateway_cfg.host, gateway_cfg.port,
+                             server=gateway_server(app, gateway_cfg))

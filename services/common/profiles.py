@@ -40,7 +40,8 @@ CPU_UUID_PREFIX = "cpu-"  # uuid of a profile measured without a GPU: "cpu-<host
 
 class _Model(BaseModel):
     # Unknown keys are ignored so a newer writer with extra fields stays readable within a version.
-    model_config = ConfigDict(extra="ignore")
+    # No inf/NaN: JSON's Infinity / 1e999 would pass gt=0 and turn the decision's times into 0 or NaN.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class GpuInfo(_Model):
@@ -169,8 +170,10 @@ def read_profile(path: str | os.PathLike, expect_uuid: str | None = None) -> Pro
     p = Path(path)
     try:
         raw = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as ex:
-        raise ProfileError(f"profile {p}: unreadable or not JSON ({ex})") from ex
+    # ValueError: not JSON, not UTF-8, or an integer over Python's 4300 digits; RecursionError: nesting
+    # deeper than the parser's stack. Any of them is one bad file, never an error of the caller.
+    except (OSError, ValueError, RecursionError) as ex:
+        raise ProfileError(f"profile {p}: unreadable or not JSON ({type(ex).__name__}: {str(ex)[:200]})") from ex
     if not isinstance(raw, dict):
         raise ProfileError(f"profile {p}: top level is {type(raw).__name__}, expected an object")
     version = raw.get("schema_version")
@@ -179,6 +182,8 @@ def read_profile(path: str | os.PathLike, expect_uuid: str | None = None) -> Pro
                            f"re-run `tandem bench bw`")
     try:
         profile = Profile.model_validate(raw)
+    except RecursionError as ex:
+        raise ProfileError(f"profile {p}: nested too deeply to validate") from ex
     except ValidationError as ex:
         first = ex.errors()[0]
         where = ".".join(str(x) for x in first["loc"])

@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
+from urllib.parse import urlsplit, urlunsplit
 
 
 @dataclass(frozen=True)
@@ -70,14 +71,15 @@ def env_list(name: str) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # CLI flags from dataclass fields.
 # Field metadata keys: help (required), env (name in ENV whose value becomes the default),
-# flag (override of the derived --flag-name), choices.
+# flag (override of the derived --flag-name), secret (--help says whether it is set, never the value).
 # ---------------------------------------------------------------------------------------------
 
 
 def field(default: Any = dataclasses.MISSING, *, help: str, env: str | None = None, flag: str | None = None,
-          default_factory: Any = dataclasses.MISSING) -> Any:
-    """A dataclass field that carries its CLI help (and optional env default)."""
-    metadata = {"help": help, "env": env, "flag": flag}
+          secret: bool = False, default_factory: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field that carries its CLI help (and optional env default). ``secret``: a key or
+    token, which `--help` must not print (it shows "set" or "unset" instead of the default)."""
+    metadata = {"help": help, "env": env, "flag": flag, "secret": secret}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -99,6 +101,10 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, skip: tu
             help_text += f" [env {f.metadata['env']}]"
         # None means "derived from other flags" (each such help says how), so it reads as "unset", not "None"
         shown = "unset" if default is None else "%(default)s"
+        if f.metadata.get("secret"):  # argparse would print the key itself (from the environment)
+            shown = "set" if default else "unset"
+        elif isinstance(default, str) and redact_url(default) != default:  # a URL with a password in it
+            shown = redact_url(default).replace("%", "%%")
         kwargs: dict[str, Any] = {"dest": f.name, "help": f"{help_text} (default: {shown})"}
         if typ is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=bool(default), **kwargs)
@@ -135,6 +141,24 @@ def config_or_exit(prog: str, cls: type, args: argparse.Namespace, **overrides: 
     except ValueError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def redact_url(url: str) -> str:
+    """``url`` with the password of its user-info replaced by ``***`` (redis://:pw@host -> redis://:***@host),
+    for messages and logs: a URL from the environment may carry a credential."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def redact(text: str, url: str) -> str:
+    """``text`` (an error message that may quote ``url`` or its password) with the password masked."""
+    password = urlsplit(url).password
+    text = text.replace(url, redact_url(url))
+    return text.replace(password, "***") if password else text
 
 
 def _optional_base(typ: Any) -> Any:

@@ -12,6 +12,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -23,6 +26,25 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 _REPLACEMENT = "\ufffd"  # what a partial UTF-8 sequence decodes to
+# Encoding a 3.9 MB text left ~900 MB in malloc's free lists for good (issue 20); past this many
+# characters the heap is trimmed after the encode (malloc_trim: ~1 ms, the memory goes back to the OS).
+TRIM_AFTER_CHARS = 1 << 20
+# A normalizer (NFC, ...) may join a few code points into one before tokenizing: the slack on
+# max_token_chars that keeps ``max_token_chars`` a true bound under one.
+_NORMALIZER_SLACK = 4
+
+
+@functools.cache
+def _malloc_trim():
+    libc = ctypes.util.find_library("c")
+    return getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None  # glibc only
+
+
+def trim_heap() -> None:
+    """Give malloc's free memory back to the OS (glibc; a no-op elsewhere)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _token_content(value: Any) -> str | None:
@@ -102,8 +124,23 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``. Special-token strings in the text (e.g. "<|im_start|>" written by a
         chat template) become their single ids; ``add_special_tokens`` adds the post-processor's
-        tokens (BOS for some models), off by default as prompts from chat templates carry their own."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        tokens (BOS for some models), off by default as prompts from chat templates carry their own.
+
+        Through ``encode_batch_fast``: unlike ``encode`` it releases the GIL (a thread encoding a long
+        prompt no longer stalls an event loop: measured 3 vs 800 loop ticks over an 8 s encode) and
+        skips the offsets (a third less memory); the ids are the same."""
+        ids = self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+        if len(text) >= TRIM_AFTER_CHARS:
+            trim_heap()
+        return ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """At most this many characters of text become one token (the longest vocabulary entry, or
+        added token, times a slack when a normalizer may shorten the text first): a text of N
+        characters has at least N / max_token_chars tokens, known before tokenizing it."""
+        longest = max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
+        return max(1, longest) * (1 if self.backend.normalizer is None else _NORMALIZER_SLACK)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids`` (partial UTF-8 sequences become U+FFFD)."""

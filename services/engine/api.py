@@ -234,14 +234,16 @@ def main(argv: list[str] | None = None) -> int:
     return run_until_stopped("tandem engine", create_app(engine, token), engine, config.host, config.port)
 
 
-def run_until_stopped(prog: str, app: FastAPI, engine: Engine, host: str, port: int) -> int:
+def run_until_stopped(prog: str, app: FastAPI, engine: Engine, host: str, port: int, server=None) -> int:
     """Start ``engine`` and serve ``app`` until Ctrl-C / SIGTERM (status 0), or until the model fails to
     load: then the reason on one line of stderr and status 1, so `tandem stack`, compose and other
-    supervisors see the failure at once instead of a /health that answers 503 forever."""
+    supervisors see the failure at once instead of a /health that answers 503 forever. ``server``: a
+    uvicorn.Server already configured for ``app`` (`tandem serve`: the gateway's, with its limits)."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                           timeout_graceful_shutdown=2))
+    if server is None:
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                               timeout_graceful_shutdown=2))
     engine.on_load_failed = lambda: setattr(server, "should_exit", True)
     engine.start()
     try:

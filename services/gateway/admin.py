@@ -30,8 +30,10 @@ from pydantic import TypeAdapter, ValidationError
 
 from services.common.jobs import SHARED_QUEUE, STALLED_AFTER_S, TASKS, JobRequest, JobStore, send_job
 from services.common.logging import get_logger
+from services.common.settings import redact
 from services.gateway.auth import admin_guard
 from services.gateway.engines import EngineError, EnginePool
+from services.gateway.generation import RequestError
 from services.gateway.protocol import error_body
 
 log = get_logger("gateway.admin")
@@ -118,9 +120,10 @@ def create_router(pool: EnginePool, admin_token: str, redis_url: str, profiles_d
             return _error(400, exc.args[0], exc.args[1])
         try:
             job_id = await asyncio.to_thread(send_job, celery_client(redis_url), job_store(redis_url), job, queue)
-        except Exception as exc:  # broker down: say which URL
-            log.warning("cannot queue %s on %s: %s", TASKS[job.kind], redis_url, exc)
-            return _error(503, f"cannot reach the job queue at {redis_url}: {exc}", type_="service_unavailable")
+        except Exception as exc:  # broker down: say which URL (its password masked)
+            why = redact(f"cannot reach the job queue at {redis_url}: {exc}", redis_url)
+            log.warning("cannot queue %s: %s", TASKS[job.kind], why)
+            return _error(503, why, type_="service_unavailable")
         log.info("queued %s job %s", TASKS[job.kind], job_id)
         return JSONResponse({"id": job_id, "task": TASKS[job.kind], "queue": queue, "state": "PENDING"}, 202)
 
@@ -133,7 +136,8 @@ def create_router(pool: EnginePool, admin_token: str, redis_url: str, profiles_d
         try:
             view = await asyncio.to_thread(read)
         except Exception as exc:
-            return _error(503, f"cannot reach the result backend at {redis_url}: {exc}", type_="service_unavailable")
+            return _error(503, redact(f"cannot reach the result backend at {redis_url}: {exc}", redis_url),
+                          type_="service_unavailable")
         if view is None:
             return _error(404, f"no job {job_id!r}: never submitted, or expired (jobs are kept 7 days)", "job_id",
                           type_="not_found_error")
@@ -173,7 +177,7 @@ async def _optional_json(request: Request) -> dict:
         return {}
     data = json.loads(raw)  # JSONDecodeError -> the app's 400 handler
     if not isinstance(data, dict):
-        raise ValueError("the request body must be a JSON object")
+        raise RequestError(f"the request body must be a JSON object, got {type(data).__name__}")
     return data
 
 

@@ -23,14 +23,16 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.logging import get_logger, setup_logging
-from services.common.settings import add_dataclass_arguments, config_or_exit, field
+from services.common.settings import add_dataclass_arguments, config_or_exit, field, redact_url
 from services.gateway import serving_anthropic, serving_chat, serving_completions, serving_tokenize
 from services.gateway.admin import create_router as admin_router
 from services.gateway.auth import AuthError, api_key_guard
 from services.gateway.engines import EngineClient, EngineError, EnginePool, HttpEngineClient
 from services.gateway.generation import RequestError
+from services.gateway.limits import RequestBodyLimits
 from services.gateway.metrics import PrometheusMiddleware, render_metrics
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, error_body
+from services.gateway.shutdown import serve
 
 log = get_logger("gateway")
 
@@ -41,20 +43,35 @@ class GatewayConfig:
                          help="engine URL(s) behind this gateway, comma-separated")
     host: str = field("127.0.0.1", help="address the gateway listens on")
     port: int = field(8000, help="port the gateway listens on")
-    api_keys: str = field("", env="TANDEM_API_KEYS", flag="--api-key",
+    api_keys: str = field("", env="TANDEM_API_KEYS", flag="--api-key", secret=True,
                           help="Bearer key(s) accepted on /v1, comma-separated; empty = no auth")
-    admin_token: str = field("", env="TANDEM_ADMIN_TOKEN", help="Bearer token for /admin; empty = admin API disabled")
+    admin_token: str = field("", env="TANDEM_ADMIN_TOKEN", secret=True,
+                             help="Bearer token for /admin; empty = admin API disabled")
     redis_url: str = field("redis://127.0.0.1:6379/0", env="TANDEM_REDIS_URL",
                            help="Celery broker/backend for profile jobs")
     profiles_dir: str = field("", env="TANDEM_PROFILES_DIR", help="profiles volume listed by GET /admin/profiles")
+    health_interval_s: float = field(1.0, help="seconds between health checks of each engine; GET /health "
+                                     "answers from the last check (never waits on an engine)")
+    # --- what one client may hold (services/gateway/limits.py says what each bound protects) ---
     max_body_bytes: int = field(4 * 1024 * 1024, help="largest request body accepted (larger -> 413)")
-    health_interval_s: float = field(1.0, help="seconds between health checks of each engine")
+    header_timeout_s: float = field(10.0, help="seconds a connection may take to send a request's line and "
+                                    "headers (slower -> 408, connection closed)")
+    body_timeout_s: float = field(30.0, help="seconds a request may take to send its body once the headers "
+                                  "are in (slower -> 408)")
+    keep_alive_timeout_s: float = field(5.0, help="seconds an idle keep-alive connection stays open")
+    max_connections: int = field(1000, help="open connections (each a file descriptor) past which requests "
+                                 "get 503")
+    shutdown_grace_s: float = field(30.0, help="on SIGTERM: seconds in-flight requests get to finish; then "
+                                    "each stream ends with an error event and [DONE], each other request "
+                                    "with a 503 error")
 
     def __post_init__(self) -> None:
-        if self.max_body_bytes <= 0:
-            raise ValueError(f"--max-body-bytes must be positive, got {self.max_body_bytes}")
-        if self.health_interval_s <= 0:
-            raise ValueError(f"--health-interval-s must be positive, got {self.health_interval_s}")
+        for name in ("max_body_bytes", "health_interval_s", "header_timeout_s", "body_timeout_s",
+                     "keep_alive_timeout_s", "max_connections"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"--shutdown-grace-s must be >= 0, got {self.shutdown_grace_s}")
 
     @property
     def engine_urls(self) -> list[str]:
@@ -63,47 +80,6 @@ class GatewayConfig:
     @property
     def api_key_list(self) -> list[str]:
         return [k.strip() for k in self.api_keys.split(",") if k.strip()]
-
-
-class BodyTooLarge(Exception):
-    pass
-
-
-class BodySizeLimit:
-    """Pure ASGI middleware: 413 for a body over ``limit`` bytes (Content-Length or counted while read)."""
-
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            return await _send_json(send, 413, _too_large(self.limit))
-        seen = 0
-
-        async def counting_receive():
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise BodyTooLarge()
-            return message
-
-        await self.app(scope, counting_receive, send)
-
-
-def _too_large(limit: int) -> dict:
-    return error_body(f"request body exceeds the gateway's limit of {limit} bytes (--max-body-bytes)",
-                      "invalid_request_error", 413)
-
-
-async def _send_json(send, status: int, body: dict) -> None:
-    data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
-    await send({"type": "http.response.body", "body": data})
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -140,10 +116,6 @@ def install_error_handlers(app: FastAPI) -> None:
     async def auth_error(_: Request, exc: AuthError):
         return JSONResponse(exc.body, exc.status, headers=exc.headers)
 
-    @app.exception_handler(BodyTooLarge)
-    async def too_large(request: Request, _: BodyTooLarge):
-        return JSONResponse(_too_large(request.app.state.config.max_body_bytes), 413)
-
     @app.exception_handler(json.JSONDecodeError)
     async def bad_json(_: Request, exc: json.JSONDecodeError):
         return JSONResponse(error_body(f"request body is not valid JSON: {exc}", "invalid_request_error", 400), 400)
@@ -178,12 +150,17 @@ def create_app(config: GatewayConfig, clients: list[EngineClient], on_startup=No
     app.state.api_key_guard = api_key_guard(config.api_key_list)
     install_error_handlers(app)
     app.add_middleware(PrometheusMiddleware)
-    app.add_middleware(BodySizeLimit, limit=config.max_body_bytes)
+    app.add_middleware(RequestBodyLimits, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
     v1 = [Depends(app.state.api_key_guard)]
 
+    def label_model(request: Request, model: str) -> None:
+        """The model label of this request's metrics: only a model an engine serves (a bounded set),
+        never the client's string as sent (3000 random names would make 3000 series)."""
+        if model in pool.models():
+            request.state.model_name = model
+
     @app.get("/health")
-    async def health():
-        await pool.poll_once()
+    async def health():  # the poller's last view: no engine call per request (unauthenticated, cheap)
         engines = [{"id": e.client.id, "url": e.client.url, "healthy": e.healthy, "health": e.health}
                    for e in pool.engines]
         healthy = [e for e in pool.engines if e.healthy]
@@ -223,12 +200,12 @@ def create_app(config: GatewayConfig, clients: list[EngineClient], on_startup=No
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat(req: ChatCompletionRequest, request: Request):
-        request.state.model_name = req.model
+        label_model(request, req.model)
         return await serving_chat.create_chat_completion(pool, req, request.is_disconnected)
 
     @app.post("/v1/completions", dependencies=v1)
     async def completions(req: CompletionRequest, request: Request):
-        request.state.model_name = req.model
+        label_model(request, req.model)
         return await serving_completions.create_completion(pool, req, request.is_disconnected)
 
     @app.post("/v1/messages")
@@ -259,14 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     config = config_or_exit("tandem gateway", GatewayConfig, args)
-    import uvicorn
-
     clients = [HttpEngineClient(url, engine_id=str(i)) for i, url in enumerate(config.engine_urls)]
     app = create_app(config, clients)
     log.info("gateway on http://%s:%d -> engines %s (API keys: %s, admin API: %s)", config.host, config.port,
-             ", ".join(config.engine_urls), "on" if config.api_key_list else "off",
+             ", ".join(redact_url(u) for u in config.engine_urls), "on" if config.api_key_list else "off",
              "on" if config.admin_token else "off")
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=2)
+    serve(app, config)
     return 0
 
 

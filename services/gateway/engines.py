@@ -263,6 +263,8 @@ class EnginePool:
             raise ValueError("the gateway needs at least one engine (--engine URL or TANDEM_ENGINES)")
         self.engines = [EngineState(c) for c in clients]
         self.health_interval_s = health_interval_s
+        self.readers: set[asyncio.Task] = set()  # one per running generation (generation.EngineOutputs)
+        self.closing = False  # the shutdown grace is over: no generation may run on
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -304,6 +306,13 @@ class EnginePool:
                      health.get("maintenance") or health.get("status"))
         e.health, e.healthy = health, ok
         GatewayMetrics.set_engine_health(e.client.id, ok)
+
+    def end_generations(self) -> None:
+        """The gateway's shutdown grace is over: end every generation still running (each ends as its
+        client can read it: an error event + [DONE], or a 503 error JSON)."""
+        self.closing = True
+        for reader in list(self.readers):
+            reader.cancel()
 
     def mark_down(self, e: EngineState, why: str) -> None:
         if e.healthy:

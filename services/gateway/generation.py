@@ -61,6 +61,7 @@ class Generation:
     skip_special_tokens: bool = True
     reasoning: str = ""  # harmony models: the analysis channel's text (reasoning_content)
     stop_string: str | None = None  # the stop string that ended the text, if one did
+    pool: EnginePool | None = None  # set by start(): its shutdown ends this generation
 
     def choices(self, n: int) -> list["Generation"]:
         """This generation and n - 1 more of the same prompt (choices 0..n-1), each its own engine request.
@@ -124,12 +125,25 @@ def fit_max_tokens(engine: EngineState, prompt_len: int, max_tokens: int | None,
     return max_tokens
 
 
+def refuse_overlong_prompt(engine: EngineState, prompt: str, param: str) -> None:
+    """Before tokenizing (seconds of CPU and hundreds of MB for a 4 MB prompt): a prompt that cannot
+    fit the context whatever it tokenizes to (more characters than max_seq_len tokens can cover) is
+    refused at once, naming both limits."""
+    limit = int((engine.info or {}).get("max_seq_len", 0))
+    most = limit * engine.tokenizer.max_token_chars
+    if len(prompt) > most:
+        raise RequestError(f"This model's maximum context length is {limit} tokens, at most {most} characters of "
+                           f"prompt; the prompt has {len(prompt)} characters. Please reduce the length of the "
+                           f"prompt.", param)
+
+
 async def start(pool: EnginePool, gen: Generation):
     """Send the request to its engine; raises EngineError (429/400/503...) before anything streams.
     An engine that cannot be reached (503) is taken out of rotation, and one whose queue is full (429)
     is passed over for this request; either way the request goes to the next healthy engine serving the
     model that it has not tried, if any (else the client gets that error, Retry-After included)."""
     model = gen.engine.model_id
+    gen.pool = pool
     tried: set[int] = set()
     for _ in range(len(pool.engines)):
         engine = gen.engine
@@ -173,8 +187,9 @@ async def deltas(gen: Generation, stream) -> AsyncIterator[Delta]:
     stops = StopStringMatcher(gen.stop)
     splitter = harmony_splitter(engine.tokenizer)  # harmony (gpt-oss): reasoning apart from the answer
     reasoning_detok = engine.tokenizer.detokenizer() if splitter is not None else None
+    outputs = EngineOutputs(stream, gen.pool)
     try:
-        async for out in stream:
+        while (out := await outputs.next()) is not None:
             ids = out.get("token_ids", [])
             logprobs = [{"token_id": t, **e} for t, e in zip(ids, out.get("logprobs", []))]
             gen.completion_tokens = out.get("completion_tokens", gen.completion_tokens + len(ids))
@@ -214,9 +229,59 @@ async def deltas(gen: Generation, stream) -> AsyncIterator[Delta]:
                 gen.text += delta
                 yield Delta(delta, logprobs=logprobs, reasoning=reasoning)
     finally:
+        outputs.close()  # no await: this task may be under cancellation (client gone)
         engine.outstanding -= 1
         GatewayMetrics.set_engine_outstanding(engine.client.id, engine.outstanding)
-        await stream.aclose()
+
+
+class EngineOutputs:
+    """The engine stream of one generation, read by a task of its own into a queue.
+
+    That task owns the stream: it closes it (aborting the request on the engine) however the
+    generation ends. The consumer's task cannot be trusted to await a close: when the client goes
+    away, Starlette cancels it through an anyio cancel scope, which cancels every await again,
+    cleanup included. ``close()`` needs no await. The pool can end the generation
+    (``EnginePool.end_generations``, shutdown grace over): ``next()`` then raises a 503."""
+
+    _END = object()
+
+    def __init__(self, stream, pool: EnginePool | None):
+        self._stream, self._pool = stream, pool
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._reader = asyncio.ensure_future(self._read())
+        if pool is not None:
+            pool.readers.add(self._reader)
+            self._reader.add_done_callback(pool.readers.discard)
+
+    async def _read(self) -> None:
+        try:
+            async for out in self._stream:
+                self._queue.put_nowait(out)
+            self._queue.put_nowait(self._END)
+        except asyncio.CancelledError:
+            self._queue.put_nowait(_shutting_down())  # read only when the pool ended it (else nobody waits)
+            raise
+        except Exception as exc:  # a broken stream (EngineError): raised in the consumer
+            self._queue.put_nowait(exc)
+        finally:
+            await self._stream.aclose()
+
+    async def next(self) -> dict | None:
+        """The engine's next output; None at the end of the stream."""
+        if self._pool is not None and self._pool.closing and not self._reader.done():
+            self._reader.cancel()
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return None if item is self._END else item
+
+    def close(self) -> None:
+        self._reader.cancel()
+
+
+def _shutting_down() -> EngineError:
+    return EngineError(503, "the gateway is shutting down and its grace for requests in flight is over; "
+                       "retry on another replica or once it is back", "service_unavailable", {"Retry-After": "5"})
 
 
 async def complete(gen: Generation, stream, is_disconnected=None, poll_s: float = 0.5) -> bool:

@@ -8,11 +8,12 @@ declared fields are honoured and refuses the others with a 400 naming them.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Request(BaseModel):
@@ -21,6 +22,38 @@ class _Request(BaseModel):
 
 class _StrictRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")  # an unknown field is a 400 naming it, never ignored
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate_at(value: Any) -> str | None:
+    """Where a JSON string of ``value`` holds a lone UTF-16 surrogate ("\\ud800" escapes decode to one),
+    e.g. "messages[0].content"; None when there is none. Such a string is not Unicode text: the
+    tokenizer and every encoder reject it, so it is refused at the door."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:  # iterative: the nesting depth is the client's
+        where, v = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii() and _SURROGATE.search(v):
+                return where or "body"
+        elif isinstance(v, dict):
+            stack.extend((f"{where}.{k}" if where else str(k), x) for k, x in v.items())
+            stack.extend((f"{where}.<key>", k) for k in v if isinstance(k, str))
+        elif isinstance(v, list):
+            stack.extend((f"{where}[{i}]", x) for i, x in enumerate(v))
+    return None
+
+
+class _TopLevelRequest(_StrictRequest):
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        where = lone_surrogate_at(data)
+        if where is not None:
+            raise ValueError(f"{where} holds a lone UTF-16 surrogate (e.g. \"\\ud800\"), which is not "
+                             f"Unicode text; send valid UTF-8")
+        return data
 
 
 class StreamOptions(_Request):
@@ -83,7 +116,7 @@ class ResponseFormat(_Request):
     json_schema: JsonSchemaFormat | None = None
 
 
-class ChatCompletionRequest(_StrictRequest):
+class ChatCompletionRequest(_TopLevelRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     model: str
     audio: Any = None
@@ -130,7 +163,7 @@ class ChatCompletionRequest(_StrictRequest):
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
 
 
-class CompletionRequest(_StrictRequest):
+class CompletionRequest(_TopLevelRequest):
     model: str
     prompt: str | list[str] | list[int] | list[list[int]]
     best_of: int | None = Field(None, ge=1)

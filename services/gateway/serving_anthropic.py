@@ -21,6 +21,7 @@ which Anthropic clients send, or ``Authorization: Bearer``). Errors have Anthrop
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, Literal
 
@@ -268,13 +269,16 @@ async def create_message(pool: EnginePool, request: Request, check_key) -> Respo
         await check_key(request)
         try:
             req = MessagesRequest.model_validate(json.loads(await request.body()))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return error(400, f"request body is not valid JSON: {exc}")
+            chat = to_chat(req)  # the chat request's checks too (a lone surrogate in any string: 400)
         except ValidationError as exc:
             return error(400, _validation_message(exc))
-        request.state.model_name = req.model
+        except (ValueError, RecursionError) as exc:  # not JSON or UTF-8, a 4300+-digit number, nested too deep
+            return error(400, f"request body is not valid JSON: {type(exc).__name__}: {str(exc)[:200]}")
+        if req.model in pool.models():  # a metric label only from the bounded set of served models
+            request.state.model_name = req.model
         refuse_fields(req, ANTHROPIC_FIELDS)
-        gen, plan = prepare_with_tools(pool, to_chat(req))
+        # off the event loop: templating and tokenizing a long prompt take seconds of CPU
+        gen, plan = await asyncio.to_thread(prepare_with_tools, pool, chat)
         stream = await g.start(pool, gen)
     except (AuthError, g.RequestError, EngineError) as exc:
         return error(exc.status, exc.body["error"]["message"])

@@ -8,6 +8,8 @@ Tool calls (chat_tools.py, tool_parsers.py) and response_format (structured_outp
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import time
 
 from services.common.chat_template import ChatTemplateError, render_chat
@@ -35,6 +37,11 @@ def _messages(req: ChatCompletionRequest) -> list[dict]:
     return out
 
 
+# render_chat's own arguments: chat_template_kwargs may not set them (a TypeError deep in the render)
+_TEMPLATE_ARGUMENTS = {name for name, p in inspect.signature(render_chat).parameters.items()
+                       if p.kind is not inspect.Parameter.VAR_KEYWORD}
+
+
 def prepare(pool: EnginePool, req: ChatCompletionRequest) -> g.Generation:
     """``prepare_with_tools`` for callers that answer with text only (a request whose output would be
     parsed into tool calls is refused rather than answered with the calls' raw text)."""
@@ -45,10 +52,15 @@ def prepare(pool: EnginePool, req: ChatCompletionRequest) -> g.Generation:
 
 
 def prepare_with_tools(pool: EnginePool, req: ChatCompletionRequest) -> tuple[g.Generation, ToolPlan]:
-    """Validate, plan tools, template and tokenize; raises RequestError / EngineError (404 unknown model, 503)."""
+    """Validate, plan tools, template and tokenize (CPU-bound: run it in a worker thread); raises
+    RequestError / EngineError (404 unknown model, 503)."""
     refuse_unsupported(req)  # first: a refused field is the answer, whatever else is wrong
     engine = pool.pick(req.model)
     kwargs = dict(req.chat_template_kwargs or {})
+    reserved = sorted(_TEMPLATE_ARGUMENTS & set(kwargs))
+    if reserved:
+        raise g.RequestError(f"chat_template_kwargs may not set {', '.join(reserved)}: the gateway sets "
+                             f"{'them' if len(reserved) > 1 else 'it'} from the request", "chat_template_kwargs")
     tokenizer_config = engine.info.get("tokenizer_config") or {}
     plan = plan_tools(req, tokenizer_config, engine.tokenizer)
     try:
@@ -56,6 +68,7 @@ def prepare_with_tools(pool: EnginePool, req: ChatCompletionRequest) -> tuple[g.
                              **kwargs)
     except ChatTemplateError as exc:
         raise g.RequestError(str(exc), "messages") from exc
+    g.refuse_overlong_prompt(engine, prompt, "messages")
     ids = engine.tokenizer.encode(prompt)
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = g.fit_max_tokens(engine, len(ids), asked, explicit=asked is not None)
@@ -68,7 +81,8 @@ def prepare_with_tools(pool: EnginePool, req: ChatCompletionRequest) -> tuple[g.
 
 
 async def create_chat_completion(pool: EnginePool, req: ChatCompletionRequest, is_disconnected=None):
-    gen, plan = prepare_with_tools(pool, req)
+    # off the event loop: templating and tokenizing a long prompt take seconds of CPU
+    gen, plan = await asyncio.to_thread(prepare_with_tools, pool, req)
     gens = gen.choices(req.n or 1)
     tokenizer = gens[0].engine.tokenizer
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from services.gateway import generation as g
@@ -13,7 +14,7 @@ from services.gateway.logprobs import completion_logprobs
 from services.gateway.responses import event_stream, respond, sse, usage
 
 
-def _prompt_ids(req: CompletionRequest, tokenizer) -> list[int]:
+def _prompt_ids(req: CompletionRequest, engine) -> list[int]:
     """One prompt only (a string, a list of one string, token ids, or a list of one id list)."""
     p = req.prompt
     if isinstance(p, list) and p and isinstance(p[0], (str, list)):
@@ -23,9 +24,11 @@ def _prompt_ids(req: CompletionRequest, tokenizer) -> list[int]:
     if isinstance(p, str):
         if not p:
             raise g.RequestError("prompt is empty", "prompt")
-        return tokenizer.encode(p)
+        g.refuse_overlong_prompt(engine, p, "prompt")
+        return engine.tokenizer.encode(p)
     if not p:
         raise g.RequestError("prompt is empty", "prompt")
+    tokenizer = engine.tokenizer
     bad = [t for t in p if not 0 <= t < tokenizer.vocab_size]
     if bad:
         raise g.RequestError(f"prompt token ids outside the vocabulary [0, {tokenizer.vocab_size}): {bad[:5]}",
@@ -34,9 +37,10 @@ def _prompt_ids(req: CompletionRequest, tokenizer) -> list[int]:
 
 
 def prepare(pool: EnginePool, req: CompletionRequest) -> g.Generation:
+    """Validate and tokenize (CPU-bound: run it in a worker thread)."""
     refuse_unsupported(req)  # first: a refused field is the answer, whatever else is wrong
     engine = pool.pick(req.model)
-    ids = _prompt_ids(req, engine.tokenizer)
+    ids = _prompt_ids(req, engine)
     explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None
     max_tokens = g.fit_max_tokens(engine, len(ids), req.max_tokens, explicit=explicit)
     sampling = g.sampling_from_request(req, engine, max_tokens)
@@ -44,7 +48,8 @@ def prepare(pool: EnginePool, req: CompletionRequest) -> g.Generation:
 
 
 async def create_completion(pool: EnginePool, req: CompletionRequest, is_disconnected=None):
-    gens = prepare(pool, req).choices(req.n or 1)
+    # off the event loop: templating and tokenizing a long prompt take seconds of CPU
+    gens = (await asyncio.to_thread(prepare, pool, req)).choices(req.n or 1)
     tokenizer = gens[0].engine.tokenizer
 
     def logprobs(gen: g.Generation, entries: list[dict] | None, offset: int = 0) -> dict | None:
