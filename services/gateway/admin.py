@@ -175,7 +175,10 @@ async def _optional_json(request: Request) -> dict:
     raw = await request.body()
     if not raw.strip():
         return {}
-    data = json.loads(raw)  # JSONDecodeError -> the app's 400 handler
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # not JSON or UTF-8, a 4300+-digit number, nested too deep
+        raise RequestError(f"request body is not valid JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
     if not isinstance(data, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(data).__name__}")
     return data

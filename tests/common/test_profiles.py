@@ -71,7 +71,8 @@ def test_profiles_dir_default_under_xdg(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- reader
 
-@pytest.mark.parametrize("kind", ["corrupt", "not-object", "old-schema", "foreign", "bad-field"])
+@pytest.mark.parametrize("kind", ["corrupt", "not-object", "old-schema", "foreign", "bad-field", "deeply-nested",
+                                  "4300-digits", "infinity"])
 def test_reader_rejects_with_warning_naming_the_file(tmp_path, caplog, kind):
     path = P.write_profile(make_profile(), tmp_path)
     raw = json.loads(path.read_text())
@@ -88,12 +89,26 @@ def test_reader_rejects_with_warning_naming_the_file(tmp_path, caplog, kind):
     elif kind == "bad-field":
         raw["ceilings"]["cpu_read"] = -1
         path.write_text(json.dumps(raw))
+    elif kind == "deeply-nested":  # deeper than the JSON parser's stack: RecursionError
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    elif kind == "4300-digits":  # past Python's int-parsing limit: ValueError
+        path.write_text(json.dumps(raw).replace('"c_sync_s": 1.4e-05', '"c_sync_s": ' + "9" * 5000))
+    elif kind == "infinity":  # JSON's Infinity passes gt=0 and would make every predicted time 0
+        path.write_text(json.dumps(raw).replace('"cpu_read": 103.0', '"cpu_read": Infinity'))
     with caplog.at_level(logging.WARNING, logger="tandem.profiles"):
         assert P.find_profile(GPU, tmp_path) is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and str(path) in warnings[0]
     entry, = P.list_profiles(tmp_path)
     assert entry.profile is None and str(path) in entry.error
+
+
+def test_auto_backend_ignores_an_unparsable_profile_with_a_warning(tmp_path, caplog):
+    (tmp_path / P.profile_filename(GPU)).write_text('{"schema_version": 1, "c_sync_s": ' + "9" * 5000 + "}")
+    with caplog.at_level(logging.WARNING, logger="tandem.profiles"):
+        decision, path = P.auto_backend(GPU, B, 2.0, 48, directory=tmp_path)
+    assert decision.backend == "offload" and path is None
+    assert any("4300 digits" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
 
 
 def test_missing_profile_is_none_without_warning(tmp_path, caplog):

@@ -174,3 +174,33 @@ def test_stop_matcher_flush_without_stop():
     assert m.feed("abc S") == ("abc ", False)
     assert m.feed("T") == ("", False)
     assert m.flush() == "ST"
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return int(f.read().split("VmRSS:")[1].split()[0]) / 1024
+
+
+def test_long_encode_leaves_the_gil_and_its_memory(tok):
+    """A 1.5 M-character prompt (issue 20: a 3.9 MB chat froze the gateway and kept ~900 MB): while a
+    worker thread encodes it, the calling thread keeps running (the event loop in the gateway), and
+    the memory the encode used goes back to the OS."""
+    import threading
+    import time
+
+    text = "The quick brown fox jumps over the lazy dog. " * 33_400  # 1.5 M characters, > TRIM_AFTER_CHARS
+    baseline = _rss_mb()
+    result: list[int] = []
+    worker = threading.Thread(target=lambda: result.extend(tok.encode(text)))
+    worker.start()
+    turns = 0
+    while worker.is_alive():  # each turn needs the GIL: a GIL-holding encode allows ~1 turn in all
+        time.sleep(0.002)
+        turns += 1
+    worker.join()
+    assert turns >= 20, f"the calling thread ran {turns} times during the encode: the GIL was held"
+    count = len(result)
+    result.clear()
+    grown = _rss_mb() - baseline
+    assert grown < 64, f"the encode left {grown:.0f} MB with the process"
+    assert count == len(tok.backend.encode(text).ids) > 300_000  # reference: the library's own encode
