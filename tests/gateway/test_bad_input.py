@@ -1,6 +1,6 @@
 """Hostile input against `tandem gateway` + `tandem engine` (issue 20): every malformed request gets a 4xx
 with OpenAI's error body and the server keeps serving; client strings never become metric labels;
-secrets never leave the process (--help, 503 bodies, logs, the example curl)."""
+secrets never leave the process (--help, 503 bodies, logs; the example curl: tests/e2e/test_serve.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -169,15 +168,3 @@ def test_help_never_prints_a_secret(command):
     assert "--api-key" in out.stdout and "(default: set)" in out.stdout
     for secret in (API_KEY, ADMIN, REDIS_PASSWORD):
         assert secret not in out.stdout + out.stderr
-
-
-def test_serve_example_curl_reads_the_key_from_the_environment(serve_process):
-    server = serve_process("--model", "demo", "--max-seq-len", "256", "--api-key", API_KEY)
-    log = ""
-    for _ in range(150):  # the curl is printed once the model is loaded
-        log = server.log_tail(200)
-        if "curl " in log or server.proc.poll() is not None:
-            break
-        time.sleep(0.2)
-    assert "curl " in log and "$OPENAI_API_KEY" in log, log
-    assert API_KEY not in log
