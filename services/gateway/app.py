@@ -4,8 +4,9 @@ Routes: /v1/models[/{id}], /v1/chat/completions, /v1/completions, /tokenize, /de
 /v1/messages (Anthropic's Messages API, serving_anthropic.py), /admin/... (admin token),
 /health (the engines' state: loading progress, then serving), /metrics (Prometheus).
 Every error is OpenAI's body {"error": {"message", "type", "param", "code"}}: validation -> 400 (not
-FastAPI's 422), bad JSON -> 400, missing/wrong key -> 401, unknown model -> 404, body over
---max-body-bytes -> 413, queue full -> 429 + Retry-After, no engine -> 503.
+FastAPI's 422), bad JSON -> 400, missing/wrong key -> 401, unknown model -> 404, head or body too slow
+-> 408, body over --max-body-bytes -> 413, queue full -> 429 + Retry-After, no engine, past
+--max-connections or past the shutdown grace -> 503 (limits.py and shutdown.py say what each bound protects).
 """
 
 from __future__ import annotations
