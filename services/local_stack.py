@@ -4,7 +4,9 @@
     └─ Prometheus (when installed) scraping engine, gateway and worker
 
 Each service logs to ``runs/stack-<time>/<service>.log``; a port already in use is named before anything
-starts; Ctrl-C (or SIGTERM) stops every process, and so does any one of them dying. Flags after the
+starts; Ctrl-C (or SIGTERM) stops every process. A service that dies after it was ready (an engine
+killed by the OOM killer, ``kill -9``) is restarted and waited for, up to --max-restarts times; one
+that cannot start, or dies once more than that, stops the stack with its log's last line. Flags after the
 stack's own go to the engine (``python -m services.local_stack --moe-backend hybrid``).
 
 The Prometheus config is the compose one (deploy/prometheus/prometheus.yml) with this stack's targets
@@ -51,6 +53,8 @@ class StackConfig:
     services: str = field(",".join(SERVICES), help="comma-separated subset of the services to start")
     runs_dir: str = field("runs", help="where the per-run log directory is made")
     ready_timeout: float = field(900.0, help="seconds each service may take to become ready")
+    max_restarts: int = field(5, help="times each service that dies after it was ready is restarted before "
+                              "the stack gives up and stops (0 = any death stops the stack)")
 
 
 def write_prometheus_config(dst: Path, ports: dict[str, int], scrape_interval: str = "15s",
@@ -118,6 +122,7 @@ class Stack:
             "PYTHONUNBUFFERED": "1",
         })
         self.procs: dict[str, subprocess.Popen] = {}
+        self.restarts: dict[str, int] = {s: 0 for s in self.wanted}
 
     def ports(self) -> dict[str, int]:
         c = self.config
@@ -169,15 +174,36 @@ class Stack:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         log.info("logs in %s", self.run_dir)
         for service in self.wanted:
-            logfile = open(self.run_dir / f"{service}.log", "wb")
-            # New session: Ctrl-C in the terminal reaches only this process, which then stops the
-            # services in reverse order (the gateway before the engine it talks to).
-            self.procs[service] = subprocess.Popen(self.command(service), stdout=logfile, stderr=subprocess.STDOUT,
-                                                   env=self.env, cwd=REPO, start_new_session=True)
-            logfile.close()
+            self._spawn(service)
             self._wait_ready(service)
             log.info("%-10s ready on port %d (log %s)", service, self.ports()[service],
                      self.run_dir / f"{service}.log")
+
+    def _spawn(self, service: str, append: bool = False) -> None:
+        logfile = open(self.run_dir / f"{service}.log", "ab" if append else "wb")
+        # New session: Ctrl-C in the terminal reaches only this process, which then stops the
+        # services in reverse order (the gateway before the engine it talks to).
+        self.procs[service] = subprocess.Popen(self.command(service), stdout=logfile, stderr=subprocess.STDOUT,
+                                               env=self.env, cwd=REPO, start_new_session=True)
+        logfile.close()
+
+    def restart_exited(self) -> None:
+        """Supervise: start again each service that exited (its log appended) and wait until it is ready,
+        up to --max-restarts times per service; past that, or when it cannot get ready again, raise
+        naming it (the stack stops)."""
+        for service, proc in list(self.procs.items()):
+            if proc.poll() is None:
+                continue
+            if self.restarts[service] >= self.config.max_restarts:
+                self.check_alive()  # raises naming it, with its log's last line
+            self.restarts[service] += 1
+            _signal_group(proc, signal.SIGKILL)  # leftovers of its process group (a worker's children)
+            log.warning("%s exited with code %d: %s; restarting it (restart %d of at most %d)", service,
+                        proc.returncode, self.log_tail(service, lines=1) or "(empty log)", self.restarts[service],
+                        self.config.max_restarts)
+            self._spawn(service, append=True)
+            self._wait_ready(service)
+            log.info("%s ready again on port %d", service, self.ports()[service])
 
     def _wait_ready(self, service: str) -> None:
         deadline = time.monotonic() + self.config.ready_timeout
@@ -276,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         if "gateway" in stack.wanted:
             print(f"\nTry it:\n{_curl_for_gateway(config.port)}\n", flush=True)
         while True:
-            stack.check_alive()
+            stack.restart_exited()
             time.sleep(0.5)
     except PortTaken as exc:
         log.error("%s", exc)

@@ -1,5 +1,6 @@
 """`make run`'s process manager (services/local_stack.py) with real redis-server and Prometheus:
-a taken port is named, Ctrl-C stops every child, a dying child stops the stack. The full topology
+a taken port is named, Ctrl-C stops every child, an engine killed with SIGKILL is restarted, a child
+dying past --max-restarts stops the stack. The full topology
 (engine, gateway, worker) runs in test_stack_e2e.py."""
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def test_ctrl_c_stops_every_service(tmp_path):
 def test_a_dying_service_stops_the_stack(tmp_path):
     redis_port, prom_port = free_ports(2)
     proc = start_stack(tmp_path, "--services", "redis,prometheus", "--redis-port", str(redis_port),
-                       "--prometheus-port", str(prom_port))
+                       "--prometheus-port", str(prom_port), "--max-restarts", "0")
     try:
         wait_for_line(proc, "stack ready")
         kids = children_of(proc.pid)
@@ -116,3 +117,30 @@ def test_a_dying_service_stops_the_stack(tmp_path):
     assert proc.returncode == 1, out
     assert "redis exited" in out
     assert not [k for k in kids if alive(k)]
+
+
+def test_a_killed_engine_is_restarted_and_served_again(tmp_path):
+    """Issue 20 item 8: `kill -9` of the engine tore the whole stack down."""
+    import httpx
+
+    gateway_port, engine_port = free_ports(2)
+    proc = start_stack(tmp_path, "--services", "engine,gateway", "--model", "demo", "--port", str(gateway_port),
+                       "--engine-port", str(engine_port), "--max-seq-len", "256")
+    url = f"http://127.0.0.1:{gateway_port}/v1/completions"
+    body = {"model": "tandem-demo", "prompt": "hi", "max_tokens": 2}
+    try:
+        wait_for_line(proc, "stack ready", timeout=300)
+        assert httpx.post(url, json=body, timeout=60).status_code == 200
+        engine_pid = next(k for k in children_of(proc.pid) if "engine" in Path(f"/proc/{k}/cmdline").read_text())
+        os.kill(engine_pid, signal.SIGKILL)
+        wait_for_line(proc, "engine ready again", timeout=300)
+        assert proc.poll() is None  # the stack kept running
+        deadline = time.monotonic() + 60
+        while (r := httpx.post(url, json=body, timeout=60)).status_code != 200:  # the gateway takes it back
+            assert time.monotonic() < deadline, r.text
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        ensure_stopped(proc)
+    assert proc.returncode == 0, out
