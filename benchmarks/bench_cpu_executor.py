@@ -1,6 +1,6 @@
 """CPU MoE executor at bs=1 against the CPU's DRAM read ceiling, both measured in this run.
 
-Geometry (defaults): Qwen3-30B-A3B experts (D=2048, I=768, bf16, 9.4 MB each), top-8 of 128, one
+Geometry (defaults): Qwen3-30B-A3B experts (D=2048, I=768, bf16, 9.4 MB each; --dtype fp8: 4.7 MB), top-8 of 128, one
 layer's bank per `--layers` rotated so no expert is re-read from cache. Rounds interleave a read trial
 (STREAM-style sum by the executor's own pinned pool) and a GEMV trial, so a noisy neighbour hits both;
 the best trial of each is reported. Target: executor >= 80% of the read ceiling (issue 4).
@@ -56,12 +56,37 @@ from services.engine.moe.cpu_executor import CpuExecutor, default_num_threads
 from services.profiler.handoff_cost import measure_c_sync
 
 
+def activation_dtype(banks: ExpertBanks) -> torch.dtype:
+    """The hidden states' dtype for these banks: theirs, or bf16 (how FP8 experts are served)."""
+    dtype = banks.layers[0].tensors["down"].dtype
+    return torch.bfloat16 if dtype == torch.float8_e4m3fn else dtype
+
+
+def make_banks(dtype: str, layers: int, E: int, D: int, I: int) -> ExpertBanks:
+    """Random banks: bf16/fp32 uniform(-0.05, 0.05), or fp8_block with random e4m3 codes (no NaN) and scales."""
+    if dtype != "fp8":
+        banks = ExpertBanks.allocate(ExpertFormat.UNQUANTIZED, layers, E, D, I, getattr(torch, dtype))
+        for layer in banks.layers:
+            for t in layer.tensors.values():
+                t.uniform_(-0.05, 0.05)
+        return banks
+    banks = ExpertBanks.allocate(ExpertFormat.FP8_BLOCK, layers, E, D, I, torch.bfloat16)
+    for layer in banks.layers:
+        for name, t in layer.tensors.items():
+            if t.dtype == torch.float8_e4m3fn:
+                codes = t.view(torch.uint8)
+                codes.random_(0, 256)
+                codes[(codes & 0x7F) == 0x7F] = 0x7E
+            else:
+                t.fill_(1e-3)
+    return banks
+
+
 def gemv_trial(ex: CpuExecutor, banks: ExpertBanks, A: int, seconds: float, step0: int, tokens: int) -> tuple[float, int]:
     """Bytes/s of bs=`tokens` decode steps for `seconds`, experts rotating over layers and ids."""
     E = banks.layers[0].num_experts
     D = banks.layers[0].tensors["down"].shape[1]
-    dtype = banks.layers[0].tensors["down"].dtype
-    hidden = torch.randn(tokens, D).to(dtype)  # [T, D]
+    hidden = torch.randn(tokens, D).to(activation_dtype(banks))  # [T, D]
     weights = torch.rand(tokens, A)  # [T, A]
     base = torch.arange(A) * (E // A)  # A distinct experts spread over the bank
     nbytes, n, t0 = 0, step0, time.perf_counter()
@@ -78,7 +103,7 @@ def cpu_roundtrip(ex: CpuExecutor, banks: ExpertBanks, A: int, routes: int, n: i
     """Median seconds of submit() + wait() on the host (no GPU) for one token with ``routes`` of its A
     routes valid (the rest -1): the CPU side of the handoff's fixed cost."""
     D = banks.layers[0].tensors["down"].shape[1]
-    x = torch.randn(1, D).to(banks.layers[0].tensors["down"].dtype)  # [1, D]
+    x = torch.randn(1, D).to(activation_dtype(banks))  # [1, D]
     ids = torch.full((1, A), -1, dtype=torch.int64)  # [1, A]
     ids[0, :routes] = torch.arange(routes)
     w, out = torch.rand(1, A), torch.empty(1, D)
@@ -98,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=8, help="experts per token A (default: %(default)s)")
     p.add_argument("--hidden", type=int, default=2048, help="hidden size D (default: %(default)s)")
     p.add_argument("--intermediate", type=int, default=768, help="expert intermediate size I (default: %(default)s)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="bank dtype (default: %(default)s)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32", "fp8"], default="bfloat16",
+                   help="bank dtype; fp8 = the fp8_block format with bf16 activations (default: %(default)s)")
     p.add_argument("--layers", type=int, default=1, help="banks rotated through (more layers: colder caches)")
     p.add_argument("--tokens", type=int, default=1, help="tokens per step (bs)")
     p.add_argument("--threads", type=int, default=None,
@@ -110,11 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the results to this path")
     args = p.parse_args(argv)
 
-    dtype = getattr(torch, args.dtype)
-    banks = ExpertBanks.allocate(ExpertFormat.UNQUANTIZED, args.layers, args.experts, args.hidden, args.intermediate, dtype)
-    for layer in banks.layers:
-        for t in layer.tensors.values():
-            t.uniform_(-0.05, 0.05)
+    banks = make_banks(args.dtype, args.layers, args.experts, args.hidden, args.intermediate)
+    dtype = activation_dtype(banks)
     ex = CpuExecutor(banks, num_threads=args.threads or default_num_threads(leave_driver_core=True), isa=args.isa)
     read_buf = torch.ones(args.read_mib * (1 << 20) // 4, dtype=torch.float32)
     gemv_trial(ex, banks, args.top_k, 0.2, 0, args.tokens)  # warm-up: threads, page tables

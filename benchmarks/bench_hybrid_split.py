@@ -293,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cuda (the benchmark); cpu runs decode eagerly in fp32 (a smoke run of the tool)")
     p.add_argument("--cache-rate", type=float, default=0.33, help="share of all experts given GPU slots")
+    p.add_argument("--moe-expert-dtype", default="checkpoint", choices=["checkpoint", "fp8"],
+                   help="experts as stored, or quantized to FP8 blocks at load (default: %(default)s)")
     p.add_argument("--configs", default="offload,cpu,hybrid:1,hybrid:2,hybrid:3,hybrid:4,hybrid",
                    help="comma list of offload | cpu | hybrid | hybrid:N, each optionally followed by +pP (prefetch P), "
                         "+tT (T CPU workers), +cN (lfu use-count cap N) and +lru or +lfu "
@@ -329,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.perf_counter()
     dtype = "bfloat16" if args.device == "cuda" else "float32"
-    lm = load_model(EngineConfig(model=args.model, device=args.device, dtype=dtype, moe_backend="offload"),
-                    attach_backend=False)
+    lm = load_model(EngineConfig(model=args.model, device=args.device, dtype=dtype, moe_backend="offload",
+                                 moe_expert_dtype=args.moe_expert_dtype), attach_backend=False)
     if args.device == "cuda":
         pin_banks(lm.banks)
     print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -346,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     facts = {"model": args.model, "device": device_name, "torch": torch.__version__,
              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "cache_rate": args.cache_rate, "slots": num_slots,
-             "expert_bytes": lm.banks.expert_nbytes(), "temperature": args.temperature, "command": " ".join(sys.argv)}
+             "expert_bytes": lm.banks.expert_nbytes(), "expert_format": lm.banks.layers[0].format.value, "temperature": args.temperature, "command": " ".join(sys.argv)}
     print(f"{args.model}, {num_slots} slots ({args.cache_rate:.0%} of {total} experts), bs=1, T={args.temperature}")
     print_table(rows)
     print_kernels(rows)

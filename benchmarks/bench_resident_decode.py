@@ -125,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens prefilled before decoding (default: %(default)s)")
     p.add_argument("--max-seq-len", type=int, default=512, help="KV window (the graph attends over all of it)")
     p.add_argument("--no-graph", action="store_true", help="eager only")
+    p.add_argument("--moe-expert-dtype", default="checkpoint", choices=["checkpoint", "fp8"],
+                   help="experts as stored, or quantized to FP8 blocks at load (default: %(default)s)")
     p.add_argument("--decode-kernels", default="triton,torch",
                    help="decode expert paths to measure: triton (GEMV in place), torch (gather + bmm)")
     p.add_argument("--json", help="also write the results to this JSON file")
@@ -140,16 +142,19 @@ def main(argv: list[str] | None = None) -> int:
     bw = hbm_bandwidth()
     t0 = time.perf_counter()
     cfg = EngineConfig(model=args.model, device="cuda", dtype="bfloat16", moe_backend=MoEBackend.RESIDENT,
-                       max_seq_len=args.max_seq_len)
+                       max_seq_len=args.max_seq_len, moe_expert_dtype=args.moe_expert_dtype)
     lm = load_model(cfg)
     torch.cuda.synchronize()
     build_s = time.perf_counter() - t0
     spec = lm.spec
-    active = spec.active_weight_nbytes(torch.bfloat16)
+    # the A routed experts of each MoE layer in the banks' own format (FP8: half of bf16's bytes)
+    active = spec.active_weight_nbytes(torch.bfloat16) - spec.num_moe_layers * spec.top_k * (
+        spec.expert_nbytes(torch.bfloat16) - lm.banks.expert_nbytes())
     bound = bw / active
     prompt = torch.randint(0, spec.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
 
-    results = {"model": args.model, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    results = {"model": args.model, "expert_format": lm.banks.layers[0].format.value,
+               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "build_seconds": round(build_s, 2),
                "hbm_bytes_per_second": bw, "active_weight_bytes_per_token": active,
                "bound_tokens_per_second": bound, "tokens": args.tokens, "modes": {}}

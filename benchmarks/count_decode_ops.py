@@ -102,7 +102,7 @@ def count_decode_step(model: str, dtype: torch.dtype, kv_len: int, start: int = 
     lm = load_model(cfg)
     backend = lm.model.backend
     if backend is not None:  # the GPU decode path (on the CPU resident would take the grouped path)
-        backend.forward = lambda layer, h, ids, w: moe_decode(h, ids, w, backend.gate_up[layer], backend.down[layer])
+        backend.forward = lambda layer, h, ids, w: moe_decode(h, ids, w, **backend.layers[layer])
     kv = KVCache(lm.spec, 1, kv_len, "cpu", dtype)
     prompt = torch.arange(1, start + 1)
     lm.model(prompt, torch.arange(start), ForwardBatch.single(0, 0, start), kv)  # prefill (not counted)

@@ -49,11 +49,23 @@ class DType(str, enum.Enum):
     BFLOAT16 = "bfloat16"
 
 
+class ExpertDType(str, enum.Enum):
+    """How the routed experts are held in the banks (the rest of the model is in --dtype)."""
+
+    CHECKPOINT = "checkpoint"  # as stored: FP8 for a fine-grained FP8 checkpoint, else --dtype
+    FP8 = "fp8"  # quantized at load to float8_e4m3fn with one scale per 128x128 block (half of bf16's bytes)
+
+
 @dataclass
 class EngineConfig:
     model: str = field(env="TANDEM_MODEL", help="checkpoint directory (Hugging Face layout), 'demo', or 'synthetic:NAME[?layers=N]'")
     device: Device = field(Device.CPU, help="compute device")
     dtype: DType = field(DType.FLOAT32, help="weight and activation dtype")
+    moe_expert_dtype: ExpertDType = field(ExpertDType.CHECKPOINT, help="routed experts' format: checkpoint (as "
+                                          "stored: FP8 blocks for a fine-grained FP8 checkpoint, else --dtype) or "
+                                          "fp8 (a bf16/fp32 checkpoint's experts quantized at load to float8_e4m3fn "
+                                          "with a scale per 128x128 block: half of bf16's bytes; error measured in "
+                                          "docs/fp8.md)")
     moe_backend: MoEBackend = field(MoEBackend.RESIDENT, help="where experts are computed: resident (all on the "
                                     "GPU), offload (misses copied over PCIe), cpu (misses on the CPU), hybrid "
                                     "(misses split between both) or auto (offload or hybrid, timed while serving)")
@@ -99,6 +111,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.device = Device(self.device)
         self.dtype = DType(self.dtype)
+        self.moe_expert_dtype = ExpertDType(self.moe_expert_dtype)
         self.moe_backend = MoEBackend(self.moe_backend)
         self.decode_overlap = DecodeOverlap(self.decode_overlap)
         if self.moe_cache_policy is None:  # lfu, except where the prefetch needs LRU order (below)

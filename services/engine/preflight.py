@@ -10,6 +10,11 @@ weights), then compares what loading will allocate with this machine's memory:
 - GPU (``--device cuda``): ``resident`` needs every weight and the KV cache in the VRAM budget (free
   memory, capped by --gpu-memory-limit); the cached backends need the non-expert weights, the KV cache and
   the smallest expert cache there, decided by the same sizing rule the backend applies after loading.
+
+Experts count in the format they are held in (FP8 blocks for an FP8 checkpoint or --moe-expert-dtype
+fp8: half of bf16's bytes), except in host RAM under --moe-expert-dtype fp8, where the load's peak is
+the checkpoint's own format (all layers are read, then quantized one by one). An unsupported
+quantization_config is refused here too.
 """
 
 from __future__ import annotations
@@ -19,13 +24,15 @@ from pathlib import Path
 
 import torch
 
-from services.engine.config import EngineConfig, MoEBackend
+from services.engine.config import EngineConfig, ExpertDType, MoEBackend
 from services.engine.models import synthetic
 from services.engine.models.causal_lm import MoECausalLM
 from services.engine.models.errors import LoaderError
 from services.engine.models.loader import check_tokenizer, check_weight_files, read_spec
+from services.engine.models.quant_config import checkpoint_format
 from services.engine.models.registry import DEMO, TORCH_DTYPES, torch_device
 from services.engine.models.spec import ModelSpec
+from services.engine.moe.banks import ExpertFormat, expert_nbytes
 from services.engine.moe.sizing import GiB, CacheGeometry, decide_cache_size, fmt_bytes
 from services.engine.runtime.kv_cache import KVCache
 
@@ -65,13 +72,17 @@ def check_fits(spec: ModelSpec, config: EngineConfig, device: torch.device,
     """ValueError when loading ``spec`` as ``config`` asks cannot fit this machine's memory.
     ``host_available`` / ``device_free`` default to MemAvailable / CUDA's free memory."""
     dtype = TORCH_DTYPES[config.dtype]
-    geom = CacheGeometry(spec.num_moe_layers, spec.num_experts, spec.top_k, spec.expert_nbytes(dtype))
+    stored = checkpoint_format(spec.extra, f"--model {config.model}: config.json")
+    held = ExpertFormat.FP8_BLOCK if config.moe_expert_dtype is ExpertDType.FP8 else stored
+    geom = CacheGeometry(spec.num_moe_layers, spec.num_experts, spec.top_k,
+                         expert_nbytes(held, spec.hidden_size, spec.moe_intermediate_size, dtype))
     experts = geom.total_experts * geom.expert_nbytes
+    loading = geom.total_experts * expert_nbytes(stored, spec.hidden_size, spec.moe_intermediate_size, dtype)
     weights = _non_expert_nbytes(spec, dtype)
     kv = config.max_running_requests * config.max_seq_len * KVCache.nbytes_per_token(spec, dtype)
     # synthetic + resident on CUDA builds its banks on the GPU directly (registry.load_model)
     banks_on_device = synthetic.is_synthetic(config.model) and config.moe_backend is MoEBackend.RESIDENT
-    host_parts = {"experts": 0 if device.type == "cuda" and banks_on_device else experts}
+    host_parts = {"experts": 0 if device.type == "cuda" and banks_on_device else max(experts, loading)}
     if device.type == "cpu":
         host_parts.update({"other weights": weights, "KV cache": kv})
     host_available = _mem_available() if host_available is None else host_available
@@ -85,7 +96,8 @@ def check_fits(spec: ModelSpec, config: EngineConfig, device: torch.device,
         free = torch.cuda.mem_get_info(device)[0] if device_free is None else device_free
         if config.moe_backend is MoEBackend.RESIDENT:
             budget = free if config.gpu_memory_limit is None else min(free, int(config.gpu_memory_limit * GiB))
-            parts = {"experts": experts, "other weights": weights, "KV cache": kv}
+            parts = {"experts": max(experts, loading) if banks_on_device else experts, "other weights": weights,
+                     "KV cache": kv}
             if sum(parts.values()) > budget:
                 raise ValueError(f"--moe-backend resident: --model {config.model} needs {fmt_bytes(sum(parts.values()))} "
                                  f"of GPU memory ({_describe(parts)}), the budget is {fmt_bytes(budget)}; use "

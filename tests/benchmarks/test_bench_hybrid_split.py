@@ -44,3 +44,17 @@ def test_a_bad_config_is_named_before_anything_loads():
                 "hybrid+c1", "hybrid+c2000"):
         with pytest.raises(SystemExit, match=re.escape(f"unknown config '{bad}'")):
             main(["--device", "cpu", "--configs", f"offload,{bad}"])
+
+
+def test_fp8_experts_run_every_data_path(tmp_path):
+    """--moe-expert-dtype fp8: the miss copy, the next-layer prefetch and the CPU executor run on fp8_block banks."""
+    out = tmp_path / "fp8.json"
+    rc = main(["--device", "cpu", "--model", "synthetic:qwen3-moe-mini", "--moe-expert-dtype", "fp8", "--cache-rate",
+               "0.25", "--configs", "offload+p8,cpu,hybrid", "--tokens", "8", "--warmup", "16", "--prompt-len", "8",
+               "--max-seq-len", "64", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["expert_format"] == "fp8_block"
+    rows = {r["config"]: r for r in report["rows"]}
+    assert rows["offload+p8"]["prefetched_per_layer"] > 0
+    assert rows["cpu"]["misses_per_layer"] > 0 and rows["cpu"]["fetched_per_layer"] == 0

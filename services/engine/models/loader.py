@@ -11,6 +11,10 @@ per layer, when the per-expert names are absent.
 
 Experts are copied straight into their bank slice, one checkpoint tensor at a time (safetensors mmaps
 the file), so no full-size temporary exists. Every error is a LoaderError naming the file and tensor.
+
+Fine-grained FP8 checkpoints (models/quant_config.py) load their experts as they are into fp8_block
+banks (weights + block scales); their other FP8 weights (attention projections) are dequantized into
+the model dtype here, at load.
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ from services.common.logging import get_logger
 from services.engine.models.causal_lm import MoECausalLM
 from services.engine.models.errors import LoaderError
 from services.engine.models import gpt_oss_experts
+from services.engine.models.quant_config import check_fp8_pair, checkpoint_format, scale_name
 from services.engine.models.spec import ExpertLayout, ModelSpec
 from services.engine.moe.banks import ExpertBanks, ExpertFormat
+from services.engine.moe.fp8 import FP8_DTYPE, dequantize, grid
 
 __all__ = ["LoaderError", "load_checkpoint", "read_spec", "check_tokenizer", "check_weight_files", "build_empty_model"]
 
@@ -138,6 +144,23 @@ class _Checkpoint:
         except Exception as e:
             raise LoaderError(f"{path}: cannot read tensor {name!r}: corrupt or truncated file ({e})") from e
 
+    def fp8(self, name: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP8 weight ``name`` [N, K] and its block scales [ceil(N/128), ceil(K/128)] (as stored)."""
+        q = self.get(name, shape)
+        scale = self.get(scale_name(name), (grid(shape[0]), grid(shape[1])))
+        check_fp8_pair(str(self.file_of[name]), name, q, scale)
+        return q, scale
+
+    def weight(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Tensor ``name`` as a plain weight: an FP8 one (a weight_scale_inv beside it) dequantized to ``dtype``."""
+        if scale_name(name) in self and len(shape) == 2:
+            return dequantize(*self.fp8(name, shape), dtype)
+        t = self.get(name, shape)
+        if t.dtype == FP8_DTYPE:
+            raise LoaderError(f"{self.file_of[name]}: tensor {name!r} is float8_e4m3fn without a "
+                              f"{scale_name(name)!r} beside it (per-tensor FP8 is not supported)")
+        return t
+
 
 def load_checkpoint(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
                     progress: Progress | None = None) -> tuple[ModelSpec, MoECausalLM, ExpertBanks]:
@@ -152,7 +175,8 @@ def load_checkpoint(model_dir: str | Path, device: torch.device, dtype: torch.dt
     ckpt = _Checkpoint(model_dir)
     model = build_empty_model(spec, torch.device(device), dtype)
     D, I, E = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
-    banks = ExpertBanks.allocate(ExpertFormat.UNQUANTIZED, spec.num_moe_layers, E, D, I, dtype,
+    fmt = checkpoint_format(spec.extra, str(model_dir / "config.json"))
+    banks = ExpertBanks.allocate(fmt, spec.num_moe_layers, E, D, I, dtype,
                                  bias=spec.expert_bias, activation=spec.expert_activation)
     gpt_oss = spec.traits.expert_layout is ExpertLayout.GPT_OSS
 
@@ -162,6 +186,9 @@ def load_checkpoint(model_dir: str | Path, device: torch.device, dtype: torch.dt
         params["lm_head.weight"] = model.lm_head.weight
     fused = [layer for layer in spec.moe_layer_ids if not gpt_oss
              and _expert_names(spec, layer, 0)[0] not in ckpt and _fused_names(spec, layer)[0] in ckpt]
+    if fused and fmt is not ExpertFormat.UNQUANTIZED:
+        raise LoaderError(f"{ckpt.dir / ckpt.where}: fused expert tensors ({_fused_names(spec, fused[0])[0]!r}) in "
+                          "an FP8 checkpoint are not supported; the loader reads per-expert FP8 tensors")
     total = len(params) + (gpt_oss_experts.num_steps(spec) if gpt_oss else
                            sum(2 if layer in fused else 3 * E for layer in spec.moe_layer_ids))
     bar = tqdm(total=total, desc=f"loading {model_dir.name}", unit="tensor", leave=False)
@@ -177,31 +204,61 @@ def load_checkpoint(model_dir: str | Path, device: torch.device, dtype: torch.dt
     try:
         with torch.no_grad():
             for name, param in params.items():
-                param.copy_(ckpt.get(name, tuple(param.shape)))
+                param.copy_(ckpt.weight(name, tuple(param.shape), param.dtype))
                 step()
-            for ordinal, layer in enumerate(spec.moe_layer_ids):
-                if gpt_oss:  # fused Hub tensors, interleaved gate/up, biases; MXFP4 dequantized here
+            if gpt_oss:  # fused Hub tensors, interleaved gate/up, biases; MXFP4 dequantized here
+                for ordinal, layer in enumerate(spec.moe_layer_ids):
                     gpt_oss_experts.load_layer(ckpt, spec, layer, banks.layers[ordinal], step)
-                    continue
-                gate_up = banks.layers[ordinal].tensors["gate_up"]  # [E, 2I, D]
-                down = banks.layers[ordinal].tensors["down"]  # [E, D, I]
-                if layer in fused:
-                    gu_name, down_name = _fused_names(spec, layer)
-                    gate_up.copy_(ckpt.get(gu_name, (E, 2 * I, D)))
-                    step()
-                    down.copy_(ckpt.get(down_name, (E, D, I)))
-                    step()
-                    continue
-                for e in range(E):
-                    g_name, u_name, d_name = _expert_names(spec, layer, e)
-                    gate_up[e, :I].copy_(ckpt.get(g_name, (I, D)))
-                    step()
-                    gate_up[e, I:].copy_(ckpt.get(u_name, (I, D)))
-                    step()
-                    down[e].copy_(ckpt.get(d_name, (D, I)))
-                    step()
+            elif fmt is ExpertFormat.FP8_BLOCK:
+                _load_fp8_experts(spec, ckpt, banks, step)
+            else:
+                _load_experts(spec, ckpt, banks, fused, step)
     finally:
         bar.close()
-    log.info("loaded %s: %s, %d layers (%d MoE), E=%d, A=%d, D=%d, I=%d", model_dir, spec.model_type,
-             spec.num_layers, spec.num_moe_layers, E, spec.top_k, D, I)
+    log.info("loaded %s: %s, %d layers (%d MoE), E=%d, A=%d, D=%d, I=%d, experts %s", model_dir, spec.model_type,
+             spec.num_layers, spec.num_moe_layers, E, spec.top_k, D, I, fmt.value)
     return spec, model, banks
+
+
+def _load_experts(spec: ModelSpec, ckpt: _Checkpoint, banks: ExpertBanks, fused: list[int],
+                  step: Callable[[], None]) -> None:
+    """Unquantized experts into their banks: per-expert tensors, or a layer's fused ones as they are."""
+    D, I, E = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
+    for ordinal, layer in enumerate(spec.moe_layer_ids):
+        gate_up = banks.layers[ordinal].tensors["gate_up"]  # [E, 2I, D]
+        down = banks.layers[ordinal].tensors["down"]  # [E, D, I]
+        if layer in fused:
+            gu_name, down_name = _fused_names(spec, layer)
+            gate_up.copy_(ckpt.get(gu_name, (E, 2 * I, D)))
+            step()
+            down.copy_(ckpt.get(down_name, (E, D, I)))
+            step()
+            continue
+        for e in range(E):
+            g_name, u_name, d_name = _expert_names(spec, layer, e)
+            gate_up[e, :I].copy_(ckpt.weight(g_name, (I, D), gate_up.dtype))
+            step()
+            gate_up[e, I:].copy_(ckpt.weight(u_name, (I, D), gate_up.dtype))
+            step()
+            down[e].copy_(ckpt.weight(d_name, (D, I), down.dtype))
+            step()
+
+
+def _load_fp8_experts(spec: ModelSpec, ckpt: _Checkpoint, banks: ExpertBanks, step: Callable[[], None]) -> None:
+    """Per-expert FP8 tensors into fp8_block banks: gate rows then up rows of gate_up, each with its own
+    scale grid (gate's block rows, then up's: services/engine/moe/fp8.py), down and its scales."""
+    D, I, E = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
+    nb = grid(I)
+    for ordinal, layer in enumerate(spec.moe_layer_ids):
+        t = banks.layers[ordinal].tensors  # gate_up [E, 2I, D], down [E, D, I] fp8; their scales fp32
+        for e in range(E):
+            g_name, u_name, d_name = _expert_names(spec, layer, e)
+            for name, rows, scale_rows in ((g_name, slice(0, I), slice(0, nb)), (u_name, slice(I, 2 * I), slice(nb, 2 * nb))):
+                q, scale = ckpt.fp8(name, (I, D))
+                t["gate_up"][e, rows].copy_(q)
+                t["gate_up_scale"][e, scale_rows].copy_(scale)
+                step()
+            q, scale = ckpt.fp8(d_name, (D, I))
+            t["down"][e].copy_(q)
+            t["down_scale"][e].copy_(scale)
+            step()

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from services.common.logging import get_logger
-from services.engine.config import DType, EngineConfig, MoEBackend
+from services.engine.config import DType, EngineConfig, ExpertDType, MoEBackend
 from services.engine.models.causal_lm import MoECausalLM
 from services.engine.models.errors import LoaderError
 from services.engine.models.loader import load_checkpoint
@@ -24,7 +24,8 @@ from services.engine.models import synthetic
 from services.engine.runtime.kv_cache import KVCache
 from services.engine.moe.backends import BackendContext, ExpertBackend, make_backend
 from services.engine.moe.prefetch import next_layer_predictors
-from services.engine.moe.banks import ExpertBanks, pin_banks  # noqa: F401 - pin_banks: re-exported
+from services.engine.moe.banks import ExpertBanks, ExpertFormat, pin_banks  # noqa: F401 - pin_banks: re-exported
+from services.engine.moe.fp8 import quantize_layers
 
 log = get_logger("registry")
 
@@ -86,6 +87,11 @@ def load_model(config: EngineConfig, progress: Callable[[dict], None] | None = N
                                   f"(presets: {', '.join(synthetic.PRESETS)})")
             model_id = model_dir.resolve().name
         spec, model, banks = load_checkpoint(model_dir, device, dtype, progress)
+    if config.moe_expert_dtype is ExpertDType.FP8 and not banks.plain_swiglu:
+        raise LoaderError(f"--moe-expert-dtype fp8: {spec.model_type}'s experts (biases, clamped SwiGLU) have no FP8 "
+                          "path yet; serve them with --moe-expert-dtype checkpoint")
+    if config.moe_expert_dtype is ExpertDType.FP8 and banks.layers and banks.layers[0].format is ExpertFormat.UNQUANTIZED:
+        quantize_layers(banks.layers, progress, work_device=device if device.type == "cuda" else None)
     loaded = LoadedModel(spec, model, banks, Path(model_dir), model_id, device, dtype)
     if attach_backend:
         loaded.model.set_backend(build_backend(loaded, config))

@@ -31,9 +31,11 @@ log = get_logger("moe.banks")
 
 
 class ExpertFormat(str, enum.Enum):
-    # Weights stored in the model dtype (bf16 or fp32). Quantized formats (mxfp4, int8...) add
-    # entries here with their scale banks; nothing else in the tree hard-codes bank names.
+    # Weights stored in the model dtype (bf16 or fp32). Quantized formats add entries here with their
+    # scale banks; nothing else in the tree hard-codes bank names.
     UNQUANTIZED = "unquantized"
+    # float8_e4m3fn weights with an fp32 scale per 128x128 block (services/engine/moe/fp8.py)
+    FP8_BLOCK = "fp8_block"
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,13 @@ BANK_SCHEMAS: dict[ExpertFormat, tuple[BankSpec, ...]] = {
         BankSpec("gate_up", lambda D, I: (2 * I, D)),  # rows [0, I) = gate_proj, [I, 2I) = up_proj
         BankSpec("down", lambda D, I: (D, I)),  # down_proj
     ),
+    # the scale banks come after the weights: a job's weight bytes stay first, in the same order
+    ExpertFormat.FP8_BLOCK: (
+        BankSpec("gate_up", lambda D, I: (2 * I, D), torch.float8_e4m3fn),
+        BankSpec("down", lambda D, I: (D, I), torch.float8_e4m3fn),
+        BankSpec("gate_up_scale", lambda D, I: (2 * _blocks(I), _blocks(D)), torch.float32),  # gate's grid, up's
+        BankSpec("down_scale", lambda D, I: (_blocks(D), _blocks(I)), torch.float32),
+    ),
 }
 
 # Experts with biases (gpt-oss) have these banks too, whatever the weight format; in the model dtype.
@@ -55,6 +64,15 @@ BIAS_BANKS: tuple[BankSpec, ...] = (
     BankSpec("gate_up_bias", lambda D, I: (2 * I,)),  # [0, I) gate, [I, 2I) up, like the gate_up rows
     BankSpec("down_bias", lambda D, I: (D,)),
 )
+
+
+def _blocks(n: int) -> int:
+    return -(-n // 128)  # the ceil grid of 128-element blocks (fp8.BLOCK; fp8.py imports this module)
+
+
+def expert_nbytes(fmt: ExpertFormat, D: int, I: int, dtype: torch.dtype) -> int:
+    """Bytes of one expert across the banks of ``fmt`` (``dtype``: the model dtype, for unquantized banks)."""
+    return sum(math.prod(s.shape(D, I)) * (s.dtype or dtype).itemsize for s in BANK_SCHEMAS[fmt])
 
 
 @dataclass
@@ -79,6 +97,9 @@ class LayerBanks:
         """Bytes of one expert across all banks (what one fetch moves)."""
         return sum(t[0].numel() * t.element_size() for t in self.tensors.values())
 
+    def ordered(self) -> list[torch.Tensor]:
+        """The banks in BANK_SCHEMAS order (weights first, then any scales): how the CPU executor takes them."""
+        return [self.tensors[s.name] for s in BANK_SCHEMAS[self.format]]
 
 @dataclass
 class ExpertBanks:

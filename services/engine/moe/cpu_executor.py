@@ -212,7 +212,8 @@ class CpuExecutor:
 
     ``submit(hidden [T, D], ids [T, A], weights [T, A], layer)`` returns at once; ``wait()`` returns
     ``out [T, D]`` fp32 = sum over routes with id >= 0 of weight * SwiGLU expert(hidden[t]). Banks are
-    read in place (bf16 or fp32). One job in flight at a time.
+    read in place (bf16, fp32, or fp8_block: e4m3 weights widened in registers, one fp32 scale per 128x128
+    block applied to each block's partial sum). One job in flight at a time.
     """
 
     SPIN_US_SPARE_CORE = 5000  # a decode layer's gap between CPU jobs is ~0.1-1 ms: spin through it
@@ -275,7 +276,6 @@ class CpuExecutor:
         if self._pending is not None:
             raise RuntimeError("cpu executor: submit() while a job is in flight; call wait() first")
         lb: LayerBanks = self.banks.layers[layer]
-        gate_up, down = lb.tensors["gate_up"], lb.tensors["down"]
         if out is None:
             out = torch.empty((hidden.shape[0], hidden.shape[1]), dtype=torch.float32)
         if not hidden.is_contiguous():
@@ -286,7 +286,7 @@ class CpuExecutor:
             weights = weights.float().contiguous()
         if ready is None:
             ready = self._no_flag
-        self._impl.submit(hidden, ids, weights, gate_up, down, out, ready, int(ready_value))
+        self._impl.submit(hidden, ids, weights, lb.ordered(), out, ready, int(ready_value))
         self._pending = (hidden, ids, weights, out, ready)
 
     def wait(self) -> torch.Tensor:
@@ -309,7 +309,7 @@ class CpuExecutor:
         lb: LayerBanks = self.banks.layers[layer]
         out = torch.empty((hidden.shape[0], hidden.shape[1]), dtype=torch.float32)
         args = (hidden.contiguous(), ids_table.long().contiguous(), weights.float().contiguous())
-        self._impl.start_loop(*args, lb.tensors["gate_up"], lb.tensors["down"], out)
+        self._impl.start_loop(*args, lb.ordered(), out)
         self._pending = (*args, out, "loop")
 
     def loop_counters(self) -> tuple[int, int, int]:

@@ -66,7 +66,7 @@ class DeviceHandoff:
         layers = self.executor.banks.layers
         self.executor._impl.link_device(self.hidden_h, self.ids_h, self.w_h, self.out_h, self.flag_h,
                                         self.ring_d.data_ptr(), self.RING,
-                                        [lb.tensors["gate_up"] for lb in layers], [lb.tensors["down"] for lb in layers])
+                                        [lb.ordered() for lb in layers])
 
     def _stream(self) -> int:
         if self._stream_of is not None:
@@ -156,7 +156,7 @@ class GraphHandoff:
         self.stamps = torch.zeros((len(layers), 3), dtype=torch.int64, **pin) if timed else None  # [L, 3] ns
         self.counters = torch.zeros((len(layers), 2), dtype=torch.int64, **pin)  # [L, 2] misses, fetched
         executor._impl.start_polling(self.job_h, self.done_h, self.hidden_h, self.ids_h, self.w_h, self.out_h,
-                                     [lb.tensors["gate_up"] for lb in layers], [lb.tensors["down"] for lb in layers])
+                                     [lb.ordered() for lb in layers])
 
     def submit(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
         """hidden [T, D] · ids [T, A] (-1 = not for the CPU) · weights [T, A] on the device; T <= max_tokens."""

@@ -48,7 +48,7 @@ from services.engine.moe.backends import BackendContext, register_backend
 from services.engine.moe.cpu_executor import CpuExecutor, default_num_threads
 from services.engine.moe.cpu_handoff import DeviceHandoff, GraphHandoff
 from services.engine.moe.offload import OffloadBackend
-from services.engine.moe.resident import GATHER_MAX_ROUTES, moe_decode, moe_grouped
+from services.engine.moe.resident import GATHER_MAX_ROUTES, fp8_scales, moe_decode, moe_grouped
 from services.engine.moe.split import DEFAULT_FRACTION, Q16, SplitController, SplitTuner, fraction_to_q16
 
 log = get_logger("moe.hybrid")
@@ -102,7 +102,7 @@ class HybridBackend:
         if mode is MoEBackend.CPU and self.offload.prefetch is not None:  # cpu fetches nothing while decoding
             log.info("--moe-prefetch is ignored by the cpu backend (every miss is computed on the CPU)")
             self.offload.prefetch = None
-        self.device = ctx.device
+        self.device, self.dtype = ctx.device, ctx.dtype
         self.num_layers = len(ctx.banks.layers)
         self.expert_bytes = ctx.banks.expert_nbytes()
         if num_threads is None:
@@ -114,7 +114,7 @@ class HybridBackend:
         self.cuda_graph_safe = self.graph_mode  # read by the runner: capture decode graphs or run eagerly
         self.handoff = None
         if ctx.device.type == "cuda":
-            D = ctx.banks.layers[0].tensors["down"].shape[1]
+            D = ctx.banks.layers[0].tensors["down"].shape[1]  # [E, D, I]
             kind = GraphHandoff if self.graph_mode else DeviceHandoff
             self.handoff = kind(self.executor, ctx.device, DECODE_MAX_ROUTES, D, ctx.top_k, ctx.dtype)
         cap = ctx.config.moe_hybrid_max_fetch
@@ -177,12 +177,14 @@ class HybridBackend:
         marks.append((t0, self._mark(moe_layer, 1)))
         prefetch = self._prefetch_reserve(moe_layer, hidden, topk_ids)
         # CPU routes have slot -1, which the GPU kernels skip (no weight masking needed: 3 launches saved)
-        gate_up, down = self.cache.slot_banks["gate_up"], self.cache.slot_banks["down"]  # [S, 2I, D], [S, D, I]
+        slots = self.cache.slot_banks  # gate_up [S, 2I, D], down [S, D, I] (+ fp8 scales)
         if hidden.is_cuda:
-            part = moe_decode(hidden, slot_ids, topk_weights, gate_up, down, *self.expert_math)  # [T, D]
+            part = moe_decode(hidden, slot_ids, topk_weights, slots["gate_up"], slots["down"], *self.expert_math,
+                              **fp8_scales(slots))  # [T, D]
             cpu_part = self.handoff.sync()  # [T, D] fp32 on the device
         else:
-            part = moe_grouped(hidden, slot_ids, topk_weights, gate_up, down, *self.expert_math)
+            part = moe_grouped(hidden, slot_ids, topk_weights, slots["gate_up"], slots["down"], *self.expert_math,
+                               **fp8_scales(slots))
             cpu_part = self.executor.wait()
         ex = self.executor
         step["cpu_s"] += ex.last_compute_seconds
@@ -211,10 +213,11 @@ class HybridBackend:
         self.handoff.submit(layer, hidden, cpu_ids, topk_weights)
         self.cache.copy_missing(max_jobs=topk_ids.numel())
         prefetch = self._prefetch_reserve(layer, hidden, topk_ids)
-        gate_up, down = self.cache.slot_banks["gate_up"], self.cache.slot_banks["down"]  # CPU routes: slot -1, skipped
+        slots = self.cache.slot_banks  # CPU routes: slot -1, skipped
         state = self.cache.state
-        out = self.handoff.sync_add(layer, moe_decode(hidden, slot_ids, topk_weights, gate_up, down, *self.expert_math),  # [T, D]
-                                    cache_counters=(state.misses, state.fetched))
+        part = moe_decode(hidden, slot_ids, topk_weights, slots["gate_up"], slots["down"], *self.expert_math,
+                          **fp8_scales(slots))  # [T, D]
+        out = self.handoff.sync_add(layer, part, cache_counters=(state.misses, state.fetched))
         if prefetch is not None:
             prefetch.copy_ahead()  # the CPU's part is in: the copy takes the host DRAM while the CPU is idle
         if self.count_routes and not torch.cuda.is_current_stream_capturing():
@@ -354,7 +357,7 @@ class HybridBackend:
         mode times them where decode runs them, inside a captured graph (eager launches and a host sync
         per round trip would say ~220 us instead of ~25 and push the split toward fetching)."""
         D = self.executor.banks.layers[0].tensors["down"].shape[1]
-        dtype = self.executor.banks.layers[0].tensors["down"].dtype
+        dtype = self.dtype  # the activations' (an fp8 bank's dtype is not one)
         hidden = torch.zeros(1, D, dtype=dtype, device=self.device)
         A = self.handoff.A if self.handoff is not None else 1
         ids = torch.full((1, A), -1, dtype=torch.int64, device=self.device)

@@ -18,10 +18,9 @@ import torch
 from services.common.logging import get_logger
 from services.engine.config import CachePolicy, MoEBackend
 from services.engine.moe.backends import BackendContext, register_backend
-from services.engine.moe.banks import ExpertFormat
 from services.engine.moe.cache import ExpertCache
 from services.engine.moe.prefetch import NextLayerPrefetch, read_ahead_possible
-from services.engine.moe.resident import GATHER_MAX_ROUTES, moe_compute, moe_gathered
+from services.engine.moe.resident import GATHER_MAX_ROUTES, fp8_scales, moe_compute, moe_gathered
 from services.engine.moe.sizing import CacheGeometry, decide_cache_size
 
 log = get_logger("moe.offload")
@@ -43,9 +42,6 @@ class OffloadBackend:
         banks = ctx.banks
         if not banks.layers:
             raise ValueError("--moe-backend offload: the model has no MoE layers")
-        fmt = banks.layers[0].format
-        if fmt is not ExpertFormat.UNQUANTIZED:
-            raise NotImplementedError(f"--moe-backend offload: expert format {fmt.value} has no GPU compute path yet")
         geom = CacheGeometry(len(banks.layers), banks.layers[0].num_experts, ctx.top_k, banks.expert_nbytes())
         if num_slots is None:
             num_slots = decide_cache_size(ctx.config, geom, ctx.device, ctx.weight_bytes_on_device,
@@ -59,6 +55,7 @@ class OffloadBackend:
         self.act = banks.activation  # gpt-oss: clamped SwiGLU, and bias banks mirrored in the slots too
         slots = self.cache.slot_banks
         self.bias = (slots["gate_up_bias"], slots["down_bias"]) if "gate_up_bias" in slots else None  # [S, 2I], [S, D]
+        self.scales = fp8_scales(slots)  # fp8_block: the slots' block scales beside their fp8 weights
 
     def prefetching(self, topk_ids: torch.Tensor) -> NextLayerPrefetch | None:
         """The prefetcher when this step may use it: decode-sized (T*A <= GATHER_MAX_ROUTES) and slot-safe."""
@@ -79,7 +76,7 @@ class OffloadBackend:
             if prefetch is not None:
                 prefetch.wait(moe_layer)  # this layer's prefetched experts have landed
                 prefetch.issue(moe_layer, hidden)  # the next layer's copy runs while this one computes
-            part = compute(hidden, slot_ids, topk_weights, gate_up, down, self.act, self.bias)  # [T, D]
+            part = compute(hidden, slot_ids, topk_weights, gate_up, down, self.act, self.bias, **self.scales)  # [T, D]
             out = part if out is None else out + part
         return out
 

@@ -14,6 +14,11 @@ Ways to compute the routed experts, same maths as ``moe_reference`` (``moe_compu
   It reads an expert once per route instead of once per step, which at HBM speed costs less than the
   grouped loop's launches up to a few thousand routes (Qwen3-30B-A3B: 9.4 MB per route, ~2.5 us at
   ~4 TB/s, against ~1000 launches of the grouped loop per layer).
+
+FP8 experts (the fp8_block format) come as ``gate_up_scale`` / ``down_scale`` keywords beside the fp8
+``gate_up`` / ``down`` (``fp8_scales(banks)`` picks them out of a layer's or the cache's banks): they
+are dequantized per expert (grouped), per gathered route (gathered) or in the Triton kernel's
+registers (decode).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import torch
 from services.common.logging import get_logger
 from services.engine.config import MoEBackend
 from services.engine.moe.backends import BackendContext, register_backend
+from services.engine.moe.banks import BANK_SCHEMAS
+from services.engine.moe.fp8 import dense_experts
 from services.engine.moe.reference import ClampedSwiGLU, expert_swiglu, glu
 
 log = get_logger("resident")
@@ -31,12 +38,27 @@ GATHER_MAX_ROUTES = 64  # R at or below this takes the decode (graph-capturable)
 PREFILL_GEMV_MAX_ROUTES = 2048  # R at or below this (256 tokens at top-8) also takes the Triton GEMV on CUDA
 
 
+SCALE_BANKS = ("gate_up_scale", "down_scale")  # the fp8_block format's scale banks (banks.py)
+
+
+def fp8_scales(banks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The fp8 scale banks of ``banks`` (a layer's or the cache's slot banks) as compute keywords; {} when
+    the experts are not FP8."""
+    return {name: banks[name] for name in SCALE_BANKS if name in banks}
+
+
+def _pick(scale: torch.Tensor | None, index) -> torch.Tensor | None:
+    return None if scale is None else scale[index]
+
+
 def moe_grouped(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 gate_up: torch.Tensor, down: torch.Tensor, act: ClampedSwiGLU | None = None,
-                bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                bias: tuple[torch.Tensor, torch.Tensor] | None = None, gate_up_scale: torch.Tensor | None = None,
+                down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """hidden [T, D] · topk_ids [T, A] (-1 = skip) · topk_weights [T, A] · gate_up [E, 2I, D] ·
     down [E, D, I] · act / bias (gate_up_bias [E, 2I], down_bias [E, D]): gpt-oss experts, as
-    ``moe_reference`` -> [T, D] (fp32 accumulation, returned in hidden's dtype)."""
+    ``moe_reference`` · gate_up_scale / down_scale: FP8 block scales (fp8.py) -> [T, D] (fp32
+    accumulation, returned in hidden's dtype)."""
     T, A = topk_ids.shape
     E = gate_up.shape[0]
     flat = topk_ids.reshape(-1)  # [R]
@@ -52,7 +74,8 @@ def moe_grouped(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         routes = order[pos:pos + n]  # [n]
         tok = routes // A  # [n]
         b_gu, b_d = (bias[0][e], bias[1][e]) if bias is not None else (None, None)
-        y = expert_swiglu(hidden[tok], gate_up[e], down[e], act, b_gu, b_d)  # [n, D]
+        gu, d = dense_experts(gate_up[e], down[e], _pick(gate_up_scale, e), _pick(down_scale, e), hidden.dtype)
+        y = expert_swiglu(hidden[tok], gu, d, act, b_gu, b_d)  # [n, D]
         out.index_add_(0, tok, y.float() * weights[routes, None].float())
         pos += n
     return out.to(hidden.dtype)
@@ -60,7 +83,8 @@ def moe_grouped(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
 
 def moe_gathered(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  gate_up: torch.Tensor, down: torch.Tensor, act: ClampedSwiGLU | None = None,
-                 bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 bias: tuple[torch.Tensor, torch.Tensor] | None = None, gate_up_scale: torch.Tensor | None = None,
+                 down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as ``moe_grouped``; no host sync (CUDA-graph capturable)."""
     T, A = topk_ids.shape
     flat = topk_ids.reshape(-1)  # [R]
@@ -68,11 +92,12 @@ def moe_gathered(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     ids = flat.clamp(min=0)  # skipped routes compute expert 0 with weight 0
     w = torch.where(valid, topk_weights.reshape(-1).float(), 0.0)  # [R]
     x = hidden[:, None, :].expand(T, A, hidden.shape[1]).reshape(T * A, 1, -1)  # [R, 1, D] (no sync)
-    h = torch.bmm(x, gate_up[ids].transpose(1, 2))  # [R, 1, 2I]
+    gu, d = dense_experts(gate_up[ids], down[ids], _pick(gate_up_scale, ids), _pick(down_scale, ids), hidden.dtype)
+    h = torch.bmm(x, gu.transpose(1, 2))  # [R, 1, 2I]
     if bias is not None:
         h = h + bias[0][ids][:, None, :]
     a = glu(h, act)  # [R, 1, I]
-    y = torch.bmm(a, down[ids].transpose(1, 2))[:, 0]  # [R, D]
+    y = torch.bmm(a, d.transpose(1, 2))[:, 0]  # [R, D]
     if bias is not None:
         y = y + bias[1][ids]
     return (y.float() * w[:, None]).view(T, A, -1).sum(dim=1).to(hidden.dtype)  # [T, D]
@@ -90,24 +115,26 @@ class DecodeKernel:
         self._gemv = None
 
     def __call__(self, hidden, topk_ids, topk_weights, gate_up, down, act: ClampedSwiGLU | None = None,
-                 bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 bias: tuple[torch.Tensor, torch.Tensor] | None = None, gate_up_scale: torch.Tensor | None = None,
+                 down_scale: torch.Tensor | None = None) -> torch.Tensor:
+        scales = (gate_up_scale, down_scale)
         # past decode sizes the torch fallback would gather R experts' weights (GBs): group instead
         fallback = moe_gathered if topk_ids.numel() <= GATHER_MAX_ROUTES else moe_grouped
         if act is not None or bias is not None:  # gpt-oss experts: the Triton GEMV has no biases / clamp yet
-            return fallback(hidden, topk_ids, topk_weights, gate_up, down, act, bias)
+            return fallback(hidden, topk_ids, topk_weights, gate_up, down, act, bias, *scales)
         if self.kind == "triton":
             try:
                 if self._gemv is None:
                     from kernels.moe_gemv import moe_gemv
 
                     self._gemv = moe_gemv
-                return self._gemv(hidden, topk_ids, topk_weights, gate_up, down)
+                return self._gemv(hidden, topk_ids, topk_weights, gate_up, down, *scales)
             except Exception as e:  # noqa: BLE001 - keep serving; stats() shows the kernel in use
                 if torch.cuda.is_current_stream_capturing():
                     raise
                 log.warning("Triton moe_gemv unavailable (%s: %s); decode uses torch gather+bmm", type(e).__name__, e)
                 self.kind = "torch"
-        return fallback(hidden, topk_ids, topk_weights, gate_up, down)
+        return fallback(hidden, topk_ids, topk_weights, gate_up, down, None, None, *scales)
 
 
 moe_decode = DecodeKernel()  # shared by backends that compute experts on the GPU (resident, offload)
@@ -115,7 +142,8 @@ moe_decode = DecodeKernel()  # shared by backends that compute experts on the GP
 
 def moe_compute(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
                 down: torch.Tensor, act: ClampedSwiGLU | None = None,
-                bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                bias: tuple[torch.Tensor, torch.Tensor] | None = None, gate_up_scale: torch.Tensor | None = None,
+                down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts of a step by the cheapest way for its size (module docstring): the GEMV kernels on
     CUDA up to PREFILL_GEMV_MAX_ROUTES routes, the grouped loop beyond and on the CPU. ``act`` / ``bias``:
     gpt-oss experts (torch paths only for now: gather+bmm for decode, the grouped loop beyond)."""
@@ -123,28 +151,30 @@ def moe_compute(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     plain = act is None and bias is None
     if hidden.is_cuda and (R <= GATHER_MAX_ROUTES or (R <= PREFILL_GEMV_MAX_ROUTES and moe_decode.kind == "triton"
                                                       and plain)):
-        return moe_decode(hidden, topk_ids, topk_weights, gate_up, down, act, bias)
-    return moe_grouped(hidden, topk_ids, topk_weights, gate_up, down, act, bias)
+        return moe_decode(hidden, topk_ids, topk_weights, gate_up, down, act, bias, gate_up_scale, down_scale)
+    return moe_grouped(hidden, topk_ids, topk_weights, gate_up, down, act, bias, gate_up_scale, down_scale)
 
 
 class ResidentBackend:
-    """All banks moved to the device once, layer by layer (no full-model temporary)."""
+    """All banks moved to the device once, layer by layer (no full-model temporary). Unquantized banks take
+    the model dtype; a quantized format keeps its own dtypes (FP8 stays FP8 on the device)."""
 
     def __init__(self, ctx: BackendContext) -> None:
         self.device = ctx.device
-        self.gate_up = [layer.tensors["gate_up"].to(ctx.device, ctx.dtype) for layer in ctx.banks.layers]
-        self.down = [layer.tensors["down"].to(ctx.device, ctx.dtype) for layer in ctx.banks.layers]
+        self.layers = [{s.name: layer.tensors[s.name].to(ctx.device, s.dtype or ctx.dtype)
+                        for s in BANK_SCHEMAS[layer.format]} for layer in ctx.banks.layers]
         self.bias = [None if layer.bias is None else tuple(t.to(ctx.device, ctx.dtype) for t in layer.bias)
                      for layer in ctx.banks.layers]  # gpt-oss: (gate_up_bias [E, 2I], down_bias [E, D])
         self.act = ctx.banks.activation
         self.decode = moe_decode
-        self.nbytes = sum(t.numel() * t.element_size() for t in (*self.gate_up, *self.down))
+        self.nbytes = sum(t.numel() * t.element_size() for layer in self.layers for t in layer.values())
 
     def forward(self, moe_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         """hidden [T, D] · topk_ids [T, A] · topk_weights [T, A] -> [T, D]."""
-        return moe_compute(hidden, topk_ids, topk_weights, self.gate_up[moe_layer], self.down[moe_layer], self.act,
-                           self.bias[moe_layer])
+        banks = self.layers[moe_layer]
+        return moe_compute(hidden, topk_ids, topk_weights, banks["gate_up"], banks["down"], self.act,
+                           self.bias[moe_layer], **fp8_scales(banks))
 
     def stats(self) -> dict:
         return {"backend": MoEBackend.RESIDENT.value, "expert_bytes_on_device": self.nbytes,

@@ -350,8 +350,7 @@ ex = CpuExecutor(banks, num_threads=2, spin_us=50)
 bufs = [torch.zeros(CAP, D), torch.zeros(CAP, A, dtype=torch.int64), torch.zeros(CAP, A), torch.zeros(CAP, D),
         torch.zeros(1, dtype=torch.int64)]
 ring = torch.arange(1, 4, dtype=torch.int64)  # 3 flag values: wraps within the run
-ex._impl.link_device(*bufs, ring.data_ptr(), 3, [lb.tensors["gate_up"] for lb in banks.layers],
-                     [lb.tensors["down"] for lb in banks.layers])
+ex._impl.link_device(*bufs, ring.data_ptr(), 3, [lb.ordered() for lb in banks.layers])
 keep = []
 for step in range(12):
     layer, T = step % L, 1 + step % CAP

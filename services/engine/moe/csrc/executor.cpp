@@ -53,6 +53,8 @@
 
 namespace tandem {
 
+using Banks = std::vector<torch::Tensor>;  // one layer's banks in the bank schema's order (banks.py)
+
 static inline int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -108,6 +110,7 @@ struct Job {
   std::vector<double> read_sums;     // [threads]
   // inputs (kept alive by the Python wrapper until wait() returns)
   torch::Tensor hidden, ids, weights, gate_up, down, out, ready;
+  torch::Tensor gate_up_scale, down_scale;  // fp8_block: fp32 [E, 2*ceil(I/128), ceil(D/128)], [E, ceil(D/128), ceil(I/128)]
   int64_t ready_value = 0;
   int T = 0, A = 0, D = 0, I = 0, E = 0;
   WDtype wdt = WDtype::F32;
@@ -194,13 +197,15 @@ class Executor {
   int64_t num_threads() const { return n_; }
 
   // hidden [T, D] fp32|bf16 · ids [T, A] int64|int32 (< 0: skipped) · weights [T, A] fp32|bf16 ·
-  // gate_up [E, 2I, D], down [E, D, I] (same dtype, fp32|bf16) · out [T, D] fp32 (overwritten) ·
-  // ready: empty or a pinned int64 [1] the workers poll until it is >= ready_value.
-  void submit(torch::Tensor hidden, torch::Tensor ids, torch::Tensor weights, torch::Tensor gate_up,
-              torch::Tensor down, torch::Tensor out, torch::Tensor ready, int64_t ready_value) {
+  // banks: one layer's banks in the bank schema's order (services/engine/moe/banks.py): gate_up
+  // [E, 2I, D], down [E, D, I] (same dtype, fp32|bf16|fp8 e4m3fn), then for fp8 the fp32 block scales
+  // gate_up_scale and down_scale · out [T, D] fp32 (overwritten) · ready: empty or a pinned int64 [1]
+  // the workers poll until it is >= ready_value.
+  void submit(torch::Tensor hidden, torch::Tensor ids, torch::Tensor weights, Banks banks, torch::Tensor out,
+              torch::Tensor ready, int64_t ready_value) {
     TORCH_CHECK(!busy_, "cpu executor: submit() while a job is in flight; call wait() first");
     TORCH_CHECK(!polling_, "cpu executor: submit() while graph-mode polling is on; stop_polling() first");
-    setup_job(hidden, ids, weights, gate_up, down, out, ready, ready_value);
+    setup_job(hidden, ids, weights, banks, out, ready, ready_value);
     dispatch();
   }
 
@@ -216,8 +221,12 @@ class Executor {
     return static_cast<const float*>(b)[i];
   }
 
-  void setup_job(torch::Tensor hidden, torch::Tensor ids, torch::Tensor weights, torch::Tensor gate_up,
-                 torch::Tensor down, torch::Tensor out, torch::Tensor ready, int64_t ready_value) {
+  void setup_job(torch::Tensor hidden, torch::Tensor ids, torch::Tensor weights, const Banks& banks,
+                 torch::Tensor out, torch::Tensor ready, int64_t ready_value) {
+    TORCH_CHECK(banks.size() == 2 || banks.size() == 4,
+                "cpu executor: a layer's banks are [gate_up, down] or [gate_up, down, gate_up_scale, down_scale]");
+    const torch::Tensor& gate_up = banks[0];
+    const torch::Tensor& down = banks[1];
     const auto T = hidden.size(0), D = hidden.size(1), A = ids.size(1);
     const auto E = gate_up.size(0), I = down.size(2);
     TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "cpu executor: hidden must be contiguous [T, D]");
@@ -227,9 +236,22 @@ class Executor {
                 "cpu executor: gate_up bank must be contiguous [E, 2I, D]");
     TORCH_CHECK(down.dim() == 3 && down.size(0) == E && down.size(1) == D && down.is_contiguous(),
                 "cpu executor: down bank must be contiguous [E, D, I]");
+    const bool fp8 = gate_up.scalar_type() == torch::kFloat8_e4m3fn;
     TORCH_CHECK(gate_up.scalar_type() == down.scalar_type() &&
-                (gate_up.scalar_type() == torch::kFloat32 || gate_up.scalar_type() == torch::kBFloat16),
-                "cpu executor: banks must both be float32 or bfloat16");
+                (gate_up.scalar_type() == torch::kFloat32 || gate_up.scalar_type() == torch::kBFloat16 || fp8),
+                "cpu executor: banks must both be float32, bfloat16 or float8_e4m3fn");
+    TORCH_CHECK(fp8 == (banks.size() == 4), "cpu executor: float8_e4m3fn banks (and only they) come with two scale banks");
+    if (fp8) {
+      const int64_t gI = (I + kFp8Block - 1) / kFp8Block, gD = (D + kFp8Block - 1) / kFp8Block;
+      const auto& gs = banks[2];
+      const auto& ds = banks[3];
+      TORCH_CHECK(gs.scalar_type() == torch::kFloat32 && gs.is_contiguous() && gs.dim() == 3 && gs.size(0) == E &&
+                      gs.size(1) == 2 * gI && gs.size(2) == gD,
+                  "cpu executor: gate_up_scale must be contiguous fp32 [E, 2*ceil(I/128), ceil(D/128)]");
+      TORCH_CHECK(ds.scalar_type() == torch::kFloat32 && ds.is_contiguous() && ds.dim() == 3 && ds.size(0) == E &&
+                      ds.size(1) == gD && ds.size(2) == gI,
+                  "cpu executor: down_scale must be contiguous fp32 [E, ceil(D/128), ceil(I/128)]");
+    }
     TORCH_CHECK(hidden.scalar_type() == torch::kFloat32 || hidden.scalar_type() == torch::kBFloat16,
                 "cpu executor: hidden must be float32 or bfloat16");
     TORCH_CHECK(weights.scalar_type() == torch::kFloat32 || weights.scalar_type() == torch::kBFloat16,
@@ -244,10 +266,12 @@ class Executor {
     Job& j = job_;
     j.read_only = false;
     j.hidden = hidden; j.ids = ids; j.weights = weights; j.gate_up = gate_up; j.down = down; j.out = out;
+    j.gate_up_scale = fp8 ? banks[2] : torch::Tensor();
+    j.down_scale = fp8 ? banks[3] : torch::Tensor();
     j.ready = ready.defined() && ready.numel() > 0 ? ready : torch::Tensor();
     j.ready_value = ready_value;
     j.T = T; j.A = A; j.D = D; j.I = I; j.E = E;
-    j.wdt = gate_up.scalar_type() == torch::kBFloat16 ? WDtype::BF16 : WDtype::F32;
+    j.wdt = fp8 ? WDtype::FP8 : gate_up.scalar_type() == torch::kBFloat16 ? WDtype::BF16 : WDtype::F32;
     const auto math = expert_math_.find(gate_up.data_ptr());
     j.gate_up_bias = math == expert_math_.end() ? nullptr : math->second.first;
     j.down_bias = math == expert_math_.end() ? nullptr : math->second.second;
@@ -285,15 +309,14 @@ class Executor {
   // to the pinned done word, which a GPU kernel polls before adding the output. Capturable in a CUDA
   // graph because every step of the handoff is a copy or a kernel.
   void start_polling(torch::Tensor job_word, torch::Tensor done_word, torch::Tensor hidden, torch::Tensor ids,
-                     torch::Tensor weights, torch::Tensor out, std::vector<torch::Tensor> gate_ups,
-                     std::vector<torch::Tensor> downs) {
+                     torch::Tensor weights, torch::Tensor out, std::vector<Banks> layers) {
     TORCH_CHECK(!polling_ && !busy_, "cpu executor: start_polling() while busy or already polling");
     for (auto* w : {&job_word, &done_word})
       TORCH_CHECK(w->scalar_type() == torch::kInt64 && w->numel() >= 1 && w->device().is_cpu(),
                   "cpu executor: job/done words must be int64 CPU (pinned) tensors");
-    TORCH_CHECK(gate_ups.size() == downs.size() && !gate_ups.empty(), "cpu executor: one gate_up and one down bank per layer");
-    TORCH_CHECK(gate_ups.size() < 1024 && hidden.size(0) < 1024, "cpu executor: graph mode encodes layer and T in 10 bits");
-    poll_ = PollState{job_word, done_word, hidden, ids, weights, out, std::move(gate_ups), std::move(downs)};
+    check_layers(layers);
+    TORCH_CHECK(layers.size() < 1024 && hidden.size(0) < 1024, "cpu executor: graph mode encodes layer and T in 10 bits");
+    poll_ = PollState{job_word, done_word, hidden, ids, weights, out, std::move(layers)};
     poll_.last_seq = done_word.data_ptr<int64_t>()[0];
     poll_idle_since_ = now_ns();
     {
@@ -317,7 +340,7 @@ class Executor {
  private:
   struct PollState {
     torch::Tensor job_word, done_word, hidden, ids, weights, out;
-    std::vector<torch::Tensor> gate_ups, downs;
+    std::vector<Banks> layers;  // per layer, the banks in schema order
     int64_t last_seq = 0, jobs = 0, compute_ns = 0, experts = 0, routes = 0;
     std::string error;
   };
@@ -351,10 +374,10 @@ class Executor {
     const int64_t T = (w >> 10) & 1023, layer = w & 1023;
     std::string err;
     try {
-      TORCH_CHECK(layer < (int64_t)poll_.gate_ups.size() && T <= poll_.hidden.size(0),
+      TORCH_CHECK(layer < (int64_t)poll_.layers.size() && T <= poll_.hidden.size(0),
                   "graph-mode job word names layer ", layer, " and T=", T, " beyond the registered buffers");
       setup_job(poll_.hidden.narrow(0, 0, T), poll_.ids.narrow(0, 0, T), poll_.weights.narrow(0, 0, T),
-                poll_.gate_ups[layer], poll_.downs[layer], poll_.out.narrow(0, 0, T), torch::Tensor(), 0);
+                poll_.layers[layer], poll_.out.narrow(0, 0, T), torch::Tensor(), 0);
     } catch (const c10::Error& e) {
       err = e.what_without_backtrace();
     } catch (const std::exception& e) {
@@ -388,6 +411,7 @@ class Executor {
       if (!err.empty()) poll_.error = err;  // the GPU still gets its done word: never hang the stream
     }
     job_.hidden = job_.ids = job_.weights = job_.gate_up = job_.down = job_.out = torch::Tensor();
+    job_.gate_up_scale = job_.down_scale = torch::Tensor();
     std::atomic_thread_fence(std::memory_order_release);
     *done = seq;
     poll_idle_since_ = now_ns();
@@ -401,8 +425,7 @@ class Executor {
   // Pinned inputs/output and the flag, a device ring of flag values (int64 1..ring_len) and every
   // layer's banks, registered once from the thread that owns the CUDA context.
   void link_device(torch::Tensor hidden_h, torch::Tensor ids_h, torch::Tensor w_h, torch::Tensor out_h,
-                   torch::Tensor flag_h, int64_t ring_ptr, int64_t ring_len, std::vector<torch::Tensor> gate_ups,
-                   std::vector<torch::Tensor> downs) {
+                   torch::Tensor flag_h, int64_t ring_ptr, int64_t ring_len, std::vector<Banks> layers) {
     if (!driver_ok_) {
       const std::string why = drv_.load();
       TORCH_CHECK(why.empty(), "cpu executor: eager device handoff needs the CUDA driver: ", why);
@@ -417,9 +440,9 @@ class Executor {
                 out_h.scalar_type() == torch::kFloat32 && flag_h.scalar_type() == torch::kInt64,
                 "cpu executor: handoff buffers must be ids int64, weights/out fp32, flag int64");
     TORCH_CHECK(ring_ptr != 0 && ring_len >= 2, "cpu executor: the flag ring needs >= 2 device int64 values");
-    TORCH_CHECK(gate_ups.size() == downs.size() && !gate_ups.empty(), "cpu executor: one gate_up and one down bank per layer");
+    check_layers(layers);
     const int64_t seq = link_.seq;  // kept across relinks: the next flag value must differ from the word's
-    link_ = DeviceLink{hidden_h, ids_h, w_h, out_h, flag_h, std::move(gate_ups), std::move(downs)};
+    link_ = DeviceLink{hidden_h, ids_h, w_h, out_h, flag_h, std::move(layers)};
     link_.seq = seq;
     link_.ring = static_cast<CudaDriver::CUdeviceptr>(ring_ptr);
     link_.ring_len = ring_len;
@@ -433,7 +456,7 @@ class Executor {
     TORCH_CHECK(link_.ctx != nullptr, "cpu executor: device_submit() before link_device()");
     TORCH_CHECK(!busy_ && !polling_, "cpu executor: device_submit() while a job is in flight or polling is on");
     const int64_t T = hidden.size(0), D = link_.hidden.size(1), A = link_.ids.size(1);
-    TORCH_CHECK(layer >= 0 && layer < (int64_t)link_.gate_ups.size(), "cpu executor: no banks for layer ", layer);
+    TORCH_CHECK(layer >= 0 && layer < (int64_t)link_.layers.size(), "cpu executor: no banks for layer ", layer);
     TORCH_CHECK(T >= 1 && T <= link_.hidden.size(0), "cpu executor: ", T, " tokens exceed the handoff's ", link_.hidden.size(0), " rows");
     TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == D && hidden.scalar_type() == link_.hidden.scalar_type() && hidden.is_contiguous(),
                 "cpu executor: device hidden must be contiguous [T, ", D, "] ", link_.hidden.scalar_type());
@@ -454,7 +477,7 @@ class Executor {
     const int64_t slot = link_.seq++ % link_.ring_len;  // ring[slot] = slot + 1: differs from the last value
     cu(drv_.dtoh(link_.flag.data_ptr(), link_.ring + slot * sizeof(int64_t), sizeof(int64_t), s), "cuMemcpyDtoHAsync (flag)");
     link_.T = T;
-    setup_job(v[0], v[1], v[2], link_.gate_ups[layer], link_.downs[layer], v[3], link_.flag, slot + 1);
+    setup_job(v[0], v[1], v[2], link_.layers[layer], v[3], link_.flag, slot + 1);
     dispatch();
   }
 
@@ -472,12 +495,12 @@ class Executor {
   // ---- loop mode ---------------------------------------------------------------------------------
   // hidden [T, D] · ids_table [N, T, A] · weights [T, A] · one layer's banks · out [T, D] fp32: jobs run
   // back to back on the workers, job k reading ids row k % N, until stop_loop().
-  void start_loop(torch::Tensor hidden, torch::Tensor ids_table, torch::Tensor weights, torch::Tensor gate_up,
-                  torch::Tensor down, torch::Tensor out) {
+  void start_loop(torch::Tensor hidden, torch::Tensor ids_table, torch::Tensor weights, Banks banks,
+                  torch::Tensor out) {
     TORCH_CHECK(!busy_ && !polling_, "cpu executor: start_loop() while a job is in flight or polling is on");
     TORCH_CHECK(ids_table.dim() == 3 && ids_table.size(0) >= 1 && ids_table.is_contiguous(),
                 "cpu executor: loop ids must be contiguous [N, T, A]");
-    setup_job(hidden, ids_table.select(0, 0), weights, gate_up, down, out, torch::Tensor(), 0);
+    setup_job(hidden, ids_table.select(0, 0), weights, banks, out, torch::Tensor(), 0);
     Job& j = job_;
     j.ids = ids_table;
     j.loop = true;
@@ -502,7 +525,7 @@ class Executor {
  private:
   struct DeviceLink {
     torch::Tensor hidden, ids, w, out, flag;
-    std::vector<torch::Tensor> gate_ups, downs;
+    std::vector<Banks> layers;
     CudaDriver::CUdeviceptr ring = 0;
     int64_t ring_len = 0, seq = 0, T = 0;
     CudaDriver::CUcontext ctx = nullptr;
@@ -566,6 +589,7 @@ class Executor {
     Job& j = job_;
     const std::string err = j.error;
     j.hidden = j.ids = j.weights = j.gate_up = j.down = j.out = j.ready = torch::Tensor();
+    j.gate_up_scale = j.down_scale = torch::Tensor();
     TORCH_CHECK(err.empty(), "cpu executor: ", err);
     return {j.t_ready_ns, j.t_done_ns, j.G, j.R};
   }
@@ -718,8 +742,18 @@ class Executor {
     reset_cursors(cursors_[1].get(), D);
   }
 
-  GemvFn gemv() const { return job_.wdt == WDtype::BF16 ? k_.gemv_bf16 : k_.gemv_f32; }
-  size_t welem() const { return job_.wdt == WDtype::BF16 ? 2 : 4; }
+  GemvFn gemv() const {
+    return job_.wdt == WDtype::FP8 ? k_.gemv_fp8 : job_.wdt == WDtype::BF16 ? k_.gemv_bf16 : k_.gemv_f32;
+  }
+  size_t welem() const { return job_.wdt == WDtype::FP8 ? 1 : job_.wdt == WDtype::BF16 ? 2 : 4; }
+  static int64_t blocks(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
+
+  static void check_layers(const std::vector<Banks>& layers) {
+    TORCH_CHECK(!layers.empty(), "cpu executor: no layers' banks given");
+    for (const auto& b : layers)
+      TORCH_CHECK(b.size() == 2 || b.size() == 4, "cpu executor: each layer's banks are [gate_up, down] or "
+                  "[gate_up, down, gate_up_scale, down_scale]");
+  }
 
   // Work split: each thread owns a contiguous share of a phase's units (one linear DRAM stream) and
   // takes it in chunks through its cursor; a thread done with its share takes chunks from the others'
@@ -762,9 +796,15 @@ class Executor {
       y.resize(nt);
       for (int t = 0; t < nt; ++t) y[t] = j.h_ptr[r0 + t] + i0;
       GemvArgs a{W + (size_t)i0 * D * welem(), D, static_cast<int>(i1 - i0), static_cast<int>(D), &j.x_ptr[r0], nt, y.data(), nullptr};
+      if (j.wdt == WDtype::FP8) {  // gate's block grid first, then up's (fp8.py)
+        a.lds = blocks(D);
+        a.srow0 = static_cast<int>(i0);
+        a.wscale = j.gate_up_scale.data_ptr<float>() + (size_t)j.group_expert[g] * 2 * blocks(I) * a.lds;
+      }
       gemv()(a);  // gate rows
       for (int t = 0; t < nt; ++t) y[t] = j.h_ptr[r0 + t] + I + i0;
       a.W = W + (size_t)(I + i0) * D * welem();
+      if (j.wdt == WDtype::FP8) a.wscale += blocks(I) * a.lds;
       gemv()(a);  // up rows
       for (int t = 0; t < nt; ++t) {
         const float* hg = j.h_ptr[r0 + t];
@@ -803,6 +843,11 @@ class Executor {
       for (int t = 0; t < nt; ++t) y[t] = j.out_ptr[r0 + t] + d0;
       const char* W = bank + ((size_t)j.group_expert[g] * D * I + (size_t)d0 * I) * welem();
       GemvArgs a{W, I, static_cast<int>(d1 - d0), static_cast<int>(I), &j.act_ptr[r0], nt, y.data(), &j.route_w[r0]};
+      if (j.wdt == WDtype::FP8) {
+        a.lds = blocks(I);
+        a.srow0 = static_cast<int>(d0);
+        a.wscale = j.down_scale.data_ptr<float>() + (size_t)j.group_expert[g] * blocks(D) * a.lds;
+      }
       gemv()(a);
       if (j.down_bias) {  // gpt-oss: + route weight x bias, like transformers' (down(act) + bias) * w
         const size_t b0 = (size_t)j.group_expert[g] * D;

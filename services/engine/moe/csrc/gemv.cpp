@@ -46,6 +46,51 @@ static inline float bf16_to_f32(uint16_t v) {
   return f;
 }
 
+// e4m3fn byte -> fp32 (sign, 4 exponent bits of bias 7, 3 mantissa bits; exponent 0 is subnormal,
+// m * 2^-9; 0x7F/0xFF are NaN). The scalar kernel reads a 256-entry table built from this.
+static float fp8_e4m3_to_f32(uint8_t b) {
+  const uint32_t em = b & 0x7Fu;
+  float f;
+  if (em == 0x7Fu) {
+    f = __builtin_nanf("");
+  } else if ((em >> 3) == 0) {
+    f = static_cast<float>(em) * (1.f / 512.f);
+  } else {
+    const uint32_t u = (((em >> 3) + 120u) << 23) | ((em & 7u) << 20);
+    std::memcpy(&f, &u, 4);
+  }
+  return (b & 0x80u) ? -f : f;
+}
+
+// FP8 rows: the scale row of weight row r, and the store of one row's results for a token block.
+static inline const float* fp8_scale_row(const GemvArgs& a, int r) {
+  return a.wscale + static_cast<int64_t>((a.srow0 + r) / kFp8Block) * a.lds;
+}
+static inline void fp8_store(const GemvArgs& a, int r, int t0, int nt, const float* v) {
+  for (int t = 0; t < nt; ++t) {
+    float* y = a.Y[t0 + t] + r;
+    if (a.scale) *y += a.scale[t0 + t] * v[t]; else *y = v[t];
+  }
+}
+// The row loop of an FP8 kernel ROW<TB>(W, S, K, X, out[TB]): tokens in blocks of up to 4.
+#define TANDEM_DEFINE_FP8_DRIVER(NAME, ROW)                                                        \
+  static void NAME(const GemvArgs& a) {                                                           \
+    const float* const* X = reinterpret_cast<const float* const*>(a.X);                          \
+    for (int r = 0; r < a.nrows; ++r) {                                                           \
+      const uint8_t* W = static_cast<const uint8_t*>(a.W) + (int64_t)r * a.ldw;                  \
+      const float* S = fp8_scale_row(a, r);                                                       \
+      float v[4];                                                                                 \
+      int t0 = 0;                                                                                 \
+      for (; t0 + 4 <= a.ntok; t0 += 4) { ROW<4>(W, S, a.K, X + t0, v); fp8_store(a, r, t0, 4, v); } \
+      switch (a.ntok - t0) {                                                                      \
+        case 3: ROW<3>(W, S, a.K, X + t0, v); fp8_store(a, r, t0, 3, v); break;                  \
+        case 2: ROW<2>(W, S, a.K, X + t0, v); fp8_store(a, r, t0, 2, v); break;                  \
+        case 1: ROW<1>(W, S, a.K, X + t0, v); fp8_store(a, r, t0, 1, v); break;                  \
+        default: break;                                                                           \
+      }                                                                                           \
+    }                                                                                             \
+  }
+
 // The row/token block loop shared by every ISA. BLOCK<RB, TB>(W, ldw, K, X, tmp) writes
 // tmp[t * RB + r] = dot(W[r], X[t]). Expanded inside each ISA's target region so the block inlines.
 #define TANDEM_DEFINE_DRIVER(NAME, BLOCK, WT, XT, RBMAX, TBMAX)                                   \
@@ -107,6 +152,26 @@ template <int RB, int TB> static inline void block_f32(const float* W, int64_t l
 template <int RB, int TB> static inline void block_bf16(const uint16_t* W, int64_t l, int K, const float* const* X, float* o) { block<RB, TB, uint16_t>(W, l, K, X, o); }
 TANDEM_DEFINE_DRIVER(gemv_f32, block_f32, float, float, 1, 1)
 TANDEM_DEFINE_DRIVER(gemv_bf16, block_bf16, uint16_t, float, 1, 1)
+struct Fp8Table {
+  float v[256];
+  Fp8Table() { for (int b = 0; b < 256; ++b) v[b] = fp8_e4m3_to_f32(static_cast<uint8_t>(b)); }
+};
+static const Fp8Table kFp8;
+// One FP8 row against TB tokens: per 128-column block, a plain fp32 dot product, then one scale.
+template <int TB>
+static inline void fp8_row(const uint8_t* W, const float* S, int K, const float* const* X, float* out) {
+  for (int t = 0; t < TB; ++t) {
+    float acc = 0.f;
+    for (int kb = 0; kb < K; kb += kFp8Block) {
+      const int ke = std::min(K, kb + kFp8Block);
+      float part = 0.f;
+      for (int k = kb; k < ke; ++k) part += kFp8.v[W[k]] * X[t][k];
+      acc += S[kb / kFp8Block] * part;
+    }
+    out[t] = acc;
+  }
+}
+TANDEM_DEFINE_FP8_DRIVER(gemv_fp8, fp8_row)
 static double read(const float* p, int64_t n) {
   float acc[8] = {0};
   int64_t i = 0;
@@ -208,6 +273,44 @@ template <int RB, int TB> static inline void block_f32(const float* W, int64_t l
 template <int RB, int TB> static inline void block_bf16(const uint16_t* W, int64_t l, int K, const float* const* X, float* o) { block<RB, TB, uint16_t>(W, l, K, X, o); }
 TANDEM_DEFINE_DRIVER(gemv_f32, block_f32, float, float, 1, 4)
 TANDEM_DEFINE_DRIVER(gemv_bf16, block_bf16, uint16_t, float, 1, 4)
+
+// 32 e4m3fn bytes -> two fp16 vectors' bits, each value 2^-8 times its e4m3 value: shifted left by 7,
+// the 4 exponent and 3 mantissa bits land on fp16's bits 13..7 (an e4m3 exponent of bias 7 reads as an
+// fp16 exponent of bias 15) and the sign on bit 14, which adding bit 14 to itself carries to bit 15.
+// vcvtph2ps then widens exactly (fp16 subnormals included, no denormal fp32 input anywhere); the 2^8
+// is folded into the block scale. Three ALU ops per 32 weights besides the widenings: at bs=1 this
+// kernel must turn bytes into FMAs twice as fast as the bf16 one, per byte read.
+static inline __m512i fp8x32_as_fp16(const uint8_t* p, __mmask32 m) {
+  const __m512i t = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, p)), 7);
+  return _mm512_add_epi16(t, _mm512_and_si512(t, _mm512_set1_epi16(0x4000)));
+}
+template <int TB>
+static inline void fp8_row(const uint8_t* W, const float* S, int K, const float* const* X, float* out) {
+  __m512 acc[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps();
+  for (int kb = 0; kb < K; kb += kFp8Block) {
+    const int ke = std::min(K, kb + kFp8Block);
+    __m512 part[TB];
+    for (int t = 0; t < TB; ++t) part[t] = _mm512_setzero_ps();
+    for (int k = kb; k < ke; k += 32) {
+      const __mmask32 m = ke - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (ke - k)) - 1);
+      if (k % 64 == 0) prefetch_ahead(W + k);
+      const __m512i h = fp8x32_as_fp16(W + k, m);
+      const __m512 w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+      const __m512 w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+      const __mmask16 m0 = (__mmask16)(m & 0xFFFF), m1 = (__mmask16)(m >> 16);
+      for (int t = 0; t < TB; ++t) {
+        part[t] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(m0, X[t] + k), part[t]);
+        part[t] = _mm512_fmadd_ps(w1, _mm512_maskz_loadu_ps(m1, X[t] + k + 16), part[t]);
+      }
+    }
+    const __m512 s = _mm512_set1_ps(S[kb / kFp8Block] * 256.f);  // x 2^8: see fp8x32_as_fp16
+    for (int t = 0; t < TB; ++t) acc[t] = _mm512_fmadd_ps(part[t], s, acc[t]);
+  }
+  for (int t = 0; t < TB; ++t) out[t] = _mm512_reduce_add_ps(acc[t]);
+}
+TANDEM_DEFINE_FP8_DRIVER(gemv_fp8, fp8_row)
+
 // The same loop as the probe `cpubw.c` (103 GB/s with 16 threads on the H200 host).
 static double read(const float* p, int64_t n) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -268,20 +371,22 @@ IsaKernels select_kernels(const char* force) {
   const bool has_bf16 = has512 && cpu_has_avx512bf16();
   const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   const IsaKernels table[] = {
-      {"avx512bf16", avx512::gemv_f32, avx512bf16::gemv_bf16, true, avx512::read},
-      {"avx512", avx512::gemv_f32, avx512::gemv_bf16, false, avx512::read},
-      {"avx2", avx2::gemv_f32, avx2::gemv_bf16, false, avx2::read},
-      {"scalar", scalar::gemv_f32, scalar::gemv_bf16, false, scalar::read},
+      // FP8 has an AVX-512 kernel and the scalar one (no AVX2 FP8 kernel: hosts that serve FP8 experts
+      // from the CPU at speed have AVX-512)
+      {"avx512bf16", avx512::gemv_f32, avx512bf16::gemv_bf16, avx512::gemv_fp8, true, avx512::read},
+      {"avx512", avx512::gemv_f32, avx512::gemv_bf16, avx512::gemv_fp8, false, avx512::read},
+      {"avx2", avx2::gemv_f32, avx2::gemv_bf16, scalar::gemv_fp8, false, avx2::read},
+      {"scalar", scalar::gemv_f32, scalar::gemv_bf16, scalar::gemv_fp8, false, scalar::read},
   };
   const bool ok[] = {has_bf16, has512, has2, true};
   for (int i = 0; i < 4; ++i) {
     if (force && *force) {
-      if (std::strcmp(force, table[i].name) == 0) return ok[i] ? table[i] : IsaKernels{nullptr, nullptr, nullptr, false, nullptr};
+      if (std::strcmp(force, table[i].name) == 0) return ok[i] ? table[i] : IsaKernels{nullptr, nullptr, nullptr, nullptr, false, nullptr};
     } else if (ok[i]) {
       return table[i];
     }
   }
-  return IsaKernels{nullptr, nullptr, nullptr, false, nullptr};
+  return IsaKernels{nullptr, nullptr, nullptr, nullptr, false, nullptr};
 }
 
 }  // namespace tandem

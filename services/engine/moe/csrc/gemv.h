@@ -6,12 +6,18 @@
 //     Y[t][r] += scale[t] * dot(W[r], X[t])      (scale != nullptr: the weighted down projection)
 // Products accumulate in fp32. Each weight row block is loaded once and used for every token of the
 // block, so at bs=1 the kernel is a pure stream over the expert's bytes (the point: DRAM bandwidth).
+//
+// FP8 (fp8_block banks): W holds float8_e4m3fn bytes and `wscale` the fp32 scales of 128x128 blocks:
+// row r's block row is (srow0 + r) / 128, at wscale + that * lds; column k's block is k / 128. Each
+// block's partial dot product is scaled once (fp32 accumulate), so the scale costs one FMA per block.
 #pragma once
 #include <cstdint>
 
 namespace tandem {
 
-enum class WDtype : int { F32 = 0, BF16 = 1 };
+enum class WDtype : int { F32 = 0, BF16 = 1, FP8 = 2 };
+
+constexpr int kFp8Block = 128;  // the fp8_block format's block edge (services/engine/moe/fp8.py BLOCK)
 
 struct GemvArgs {
   const void* W;        // weight rows, WDtype elements
@@ -22,6 +28,9 @@ struct GemvArgs {
   int ntok;
   float* const* Y;      // ntok output pointers, nrows floats each
   const float* scale;   // nullptr or ntok route weights
+  const float* wscale = nullptr;  // FP8 only: the scale row of block row srow0 / 128 ...
+  int64_t lds = 0;                // ... floats between block rows (ceil(K / 128))
+  int srow0 = 0;                  // ... and the first row's index on the block grid
 };
 
 using GemvFn = void (*)(const GemvArgs&);
@@ -32,6 +41,7 @@ struct IsaKernels {
   const char* name;
   GemvFn gemv_f32;   // fp32 weights, fp32 X
   GemvFn gemv_bf16;  // bf16 weights
+  GemvFn gemv_fp8;   // float8_e4m3fn weights with fp32 block scales, fp32 X
   bool bf16_wants_bf16_x;
   ReadFn read;       // the CPU read ceiling's kernel (benchmarks)
 };
