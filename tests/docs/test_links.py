@@ -3,7 +3,6 @@ exists, and no file of the repository points outside it (the team's notes, tools
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -23,13 +22,15 @@ OUTSIDE = [re.compile(p) for p in (r"DESIGN" r"\.md", r"\.\./" r"shared\b", r"ph
 
 
 def _files(suffixes: set[str] | None = None) -> list[Path]:
+    """The repository's files: tracked, or new and not ignored (scratch such as .venv, the podman storage or a
+    local tools folder listed in .git/info/exclude is not the repository's)."""
+    names = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
     found = []
-    for dirpath, dirnames, filenames in os.walk(ROOT):
-        dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.endswith(".egg-info")]
-        for name in filenames:
-            path = Path(dirpath) / name
-            if suffixes is None or path.suffix in suffixes or name in ("Makefile", "Dockerfile"):
-                found.append(path)
+    for name in filter(None, names):
+        path = ROOT / name
+        if path.is_file() and (suffixes is None or path.suffix in suffixes or path.name in ("Makefile", "Dockerfile")):
+            found.append(path)
     return found
 
 
