@@ -12,6 +12,7 @@ FastAPI's 422), bad JSON -> 400, missing/wrong key -> 401, unknown model -> 404,
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import time
 from contextlib import asynccontextmanager
@@ -215,7 +216,7 @@ def create_app(config: GatewayConfig, clients: list[EngineClient], on_startup=No
 
     @app.post("/tokenize", dependencies=v1)
     async def tokenize(req: serving_tokenize.TokenizeRequest):
-        return serving_tokenize.tokenize(pool, req)
+        return await asyncio.to_thread(serving_tokenize.tokenize, pool, req)  # a 4 MB prompt: seconds of CPU
 
     @app.post("/detokenize", dependencies=v1)
     async def detokenize(req: serving_tokenize.DetokenizeRequest):

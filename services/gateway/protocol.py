@@ -45,7 +45,9 @@ def lone_surrogate_at(value: Any) -> str | None:
     return None
 
 
-class _TopLevelRequest(_StrictRequest):
+class TopLevelRequest(_StrictRequest):
+    """A request body: unknown fields refused, and no string in it may hold a lone surrogate."""
+
     @model_validator(mode="before")
     @classmethod
     def _no_lone_surrogates(cls, data: Any) -> Any:
@@ -116,7 +118,7 @@ class ResponseFormat(_Request):
     json_schema: JsonSchemaFormat | None = None
 
 
-class ChatCompletionRequest(_TopLevelRequest):
+class ChatCompletionRequest(TopLevelRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     model: str
     audio: Any = None
@@ -163,7 +165,7 @@ class ChatCompletionRequest(_TopLevelRequest):
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
 
 
-class CompletionRequest(_TopLevelRequest):
+class CompletionRequest(TopLevelRequest):
     model: str
     prompt: str | list[str] | list[int] | list[list[int]]
     best_of: int | None = Field(None, ge=1)

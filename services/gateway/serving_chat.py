@@ -42,6 +42,17 @@ _TEMPLATE_ARGUMENTS = {name for name, p in inspect.signature(render_chat).parame
                        if p.kind is not inspect.Parameter.VAR_KEYWORD}
 
 
+def template_kwargs(given: dict | None, open_to: frozenset[str] = frozenset()) -> dict:
+    """A request's chat_template_kwargs, refused (400) when they name one of render_chat's own arguments
+    that the caller sets itself (all but ``open_to``: /tokenize takes tools and documents this way)."""
+    kwargs = dict(given or {})
+    reserved = sorted((_TEMPLATE_ARGUMENTS - open_to) & set(kwargs))
+    if reserved:
+        raise g.RequestError(f"chat_template_kwargs may not set {', '.join(reserved)}: the gateway sets "
+                             f"{'them' if len(reserved) > 1 else 'it'} from the request", "chat_template_kwargs")
+    return kwargs
+
+
 def prepare(pool: EnginePool, req: ChatCompletionRequest) -> g.Generation:
     """``prepare_with_tools`` for callers that answer with text only (a request whose output would be
     parsed into tool calls is refused rather than answered with the calls' raw text)."""
@@ -56,11 +67,7 @@ def prepare_with_tools(pool: EnginePool, req: ChatCompletionRequest) -> tuple[g.
     RequestError / EngineError (404 unknown model, 503)."""
     refuse_unsupported(req)  # first: a refused field is the answer, whatever else is wrong
     engine = pool.pick(req.model)
-    kwargs = dict(req.chat_template_kwargs or {})
-    reserved = sorted(_TEMPLATE_ARGUMENTS & set(kwargs))
-    if reserved:
-        raise g.RequestError(f"chat_template_kwargs may not set {', '.join(reserved)}: the gateway sets "
-                             f"{'them' if len(reserved) > 1 else 'it'} from the request", "chat_template_kwargs")
+    kwargs = template_kwargs(req.chat_template_kwargs)
     tokenizer_config = engine.info.get("tokenizer_config") or {}
     plan = plan_tools(req, tokenizer_config, engine.tokenizer)
     try:

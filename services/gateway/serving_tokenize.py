@@ -18,14 +18,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from services.common.chat_template import ChatTemplateError, render_chat
 from services.gateway.engines import EnginePool, EngineState
 from services.gateway.generation import RequestError
-from services.gateway.protocol import ChatMessage
+from services.gateway.protocol import ChatMessage, TopLevelRequest
+from services.gateway.serving_chat import template_kwargs
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(TopLevelRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
@@ -60,8 +61,9 @@ def tokenize(pool: EnginePool, req: TokenizeRequest) -> dict:
                 raise RequestError(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
         messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
         try:
+            kwargs = template_kwargs(req.chat_template_kwargs, open_to=frozenset({"tools", "documents"}))
             text = render_chat(engine.info.get("tokenizer_config") or {}, messages,
-                               add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+                               add_generation_prompt=req.add_generation_prompt, **kwargs)
         except ChatTemplateError as exc:
             raise RequestError(str(exc), "messages") from exc
         special = bool(req.add_special_tokens)
