@@ -91,9 +91,10 @@ def test_engine_exits_when_loading_fails(demo, tmp_path, free_port):
     assert "cannot serve" in line and "embed_tokens.weight" in line and "has shape" in line
 
 
-def test_stack_stops_and_prints_why_the_engine_exited(tmp_path):
+def test_stack_stops_and_prints_why_the_engine_exited(tmp_path, free_port):
     result = subprocess.run([sys.executable, "-m", "services.local_stack", "--runs-dir", str(tmp_path),
-                             "--services", "engine", "--model", str(tmp_path / "no-such-model")],
+                             "--services", "engine", "--engine-port", str(free_port),
+                             "--model", str(tmp_path / "no-such-model")],
                             cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert result.returncode == 1
     error = [line for line in result.stderr.splitlines() if "engine exited with code 2" in line]
