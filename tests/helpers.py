@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import asyncio
+import threading
+from contextlib import asynccontextmanager, contextmanager
 
 import pytest
 import torch
@@ -16,6 +18,20 @@ from services.engine.runtime.kv_cache import ForwardBatch, KVCache
 # interpreter is off, the kernels would be handed CPU tensors, and the gpu-marked tests run the real thing.
 CPU_PLAYS_THE_DEVICE = pytest.mark.skipif(torch.cuda.is_available(), reason="plays the device on the CPU; "
                                           "with CUDA the gpu tests run the real kernels")
+
+
+@asynccontextmanager
+async def model_thread_held(engine):
+    """Hold ``engine``'s model thread while the body submits requests, so they all arrive before its next
+    step (admitted together, as far as the slots allow)."""
+    gate = threading.Event()
+    blocker = asyncio.ensure_future(engine.call(lambda: gate.wait(10)))
+    await asyncio.sleep(0.1)
+    try:
+        yield
+    finally:
+        gate.set()
+        await blocker
 
 
 def tolerance(dtype: torch.dtype) -> float:

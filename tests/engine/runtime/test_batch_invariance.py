@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-import threading
 
 import pytest
 
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.runtime.sampler import SamplingParams
-from tests.helpers import hf_greedy
+from tests.helpers import hf_greedy, model_thread_held
 
 BACKENDS = ["resident", "offload", "cpu", "hybrid", "auto"]
 NEW_TOKENS = 6
@@ -39,13 +38,9 @@ def test_eight_concurrent_requests_each_equal_their_solo_output(hf_checkpoints, 
         async def run():
             # hold the model thread so all eight join one batch from its first step
             steps_before = (await engine.stats())["steps"]
-            gate = threading.Event()
-            blocker = asyncio.ensure_future(engine.call(lambda: gate.wait(10)))
-            await asyncio.sleep(0.1)
-            streams = [engine.submit(f"r{i}", p, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
-                       for i, p in enumerate(prompts)]
-            gate.set()
-            await blocker
+            async with model_thread_held(engine):
+                streams = [engine.submit(f"r{i}", p, SamplingParams(max_tokens=NEW_TOKENS, temperature=0,
+                                                                     ignore_eos=True)) for i, p in enumerate(prompts)]
             outs = []
             for stream in streams:
                 tokens = []

@@ -5,7 +5,6 @@ its KV slot."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.engine.runtime.sampler import SamplingParams
 from services.engine.runtime.scheduler import RequestTooLongError
-from tests.helpers import hf_greedy
+from tests.helpers import hf_greedy, model_thread_held
 
 PROMPTS = [[3, 17, 42, 5], [9, 9, 1], [100, 7, 64, 23, 11, 8, 90], [55], [12, 34, 56, 78, 90, 21]]
 
@@ -65,13 +64,9 @@ def test_staggered_batch_matches_transformers_alone(engine, qwen3):
         # Hold the model thread so all five arrive together: 3 start at once, 2 join mid-way as the
         # shorter ones finish (their prefill then shares a forward with the others' decode).
         steps_before = (await engine.stats())["steps"]
-        gate = threading.Event()
-        blocker = asyncio.ensure_future(engine.call(lambda: gate.wait(10)))
-        await asyncio.sleep(0.1)
-        streams = [engine.submit(f"req{i}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-                   for i, (prompt, n) in enumerate(zip(PROMPTS, lengths))]
-        gate.set()
-        await blocker
+        async with model_thread_held(engine):
+            streams = [engine.submit(f"req{i}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+                       for i, (prompt, n) in enumerate(zip(PROMPTS, lengths))]
         results = await asyncio.gather(*(_collect(s) for s in streams))
         return results, (await engine.stats())["steps"] - steps_before
 
