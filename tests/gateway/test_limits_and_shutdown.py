@@ -20,7 +20,7 @@ MODEL = "tandem-demo"
 
 @pytest.fixture(scope="module")
 def engine(engine_process):
-    return engine_process("--model", "demo", "--max-seq-len", "2048", "--max-running-requests", "4")
+    return engine_process("--model", "demo", "--max-seq-len", "4096", "--max-running-requests", "4")
 
 
 def _read_until_closed(sock: socket.socket, timeout_s: float = 20.0) -> bytes:
@@ -114,9 +114,10 @@ def _post(url: str, body: dict, out: dict) -> None:
 
 def test_sigterm_drains_then_ends_each_request_readably(engine, gateway_process):
     """uvicorn's 2 s graceful timeout used to cut streams with no [DONE] and answer plain-text 500s."""
-    # a grace long enough for `short` on a loaded 2-core machine (~1 token/s seen with three requests)
-    gateway = gateway_process("--engine", engine.url, "--shutdown-grace-s", "15")
-    endless = {"model": MODEL, "prompt": "Tell me everything", "max_tokens": 1900, "temperature": 0,
+    # The grace must outlast `short` (4 tokens) and not `endless`: the demo decodes ~500 tok/s on an idle 2-core
+    # machine, so 4000 tokens take ~8 s there, and a loaded machine slows both alike.
+    gateway = gateway_process("--engine", engine.url, "--shutdown-grace-s", "4")
+    endless = {"model": MODEL, "prompt": "Tell me everything", "max_tokens": 4000, "temperature": 0,
                "ignore_eos": True}
     short = {**endless, "max_tokens": 4}
     results = {name: {} for name in ("stream", "json", "short")}

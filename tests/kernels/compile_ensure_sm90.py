@@ -45,8 +45,8 @@ def main() -> None:
                                 USE_SHIFT=USE_SHIFT, USE_CAP=USE_CAP))
         print(f"ensure_experts lfu={lfu}: {n} bytes")
         n = compile_kernel(split, {**tables, "topk_ids_ptr": ids, "gpu_ids_ptr": ids, "cpu_ids_ptr": ids,
-                                   "warm_ptr": ids, "f_q16_ptr": torch.zeros(1, dtype=torch.int32)},
-                           dict(BLOCK_N=8, BLOCK_E=128, BLOCK_K=1, LFU=lfu, USE_CAP=USE_CAP))
+                                   "f_q16_ptr": torch.zeros(1, dtype=torch.int32)},
+                           dict(BLOCK_N=8, BLOCK_E=128, LFU=lfu, USE_CAP=USE_CAP))
         print(f"split_misses lfu={lfu}: {n} bytes")
 
 
