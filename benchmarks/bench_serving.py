@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import datetime as dt
 import json
+import math
 import random
 import statistics
 import sys
@@ -47,7 +48,7 @@ def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 async def stream_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, tokens: int) -> dict:
@@ -133,6 +134,13 @@ def server_args(args: argparse.Namespace, backend: str, cache_rate: float | None
     return out + args.server_arg
 
 
+def prompts_per_level(args: argparse.Namespace, mode: str, level: float) -> int:
+    """Requests sent at one level: --num-prompts, else max(8, 2C) at concurrency C and 32 at a rate."""
+    if args.num_prompts:
+        return args.num_prompts
+    return max(8, 2 * int(level)) if mode == "concurrency" else 32
+
+
 def levels(args: argparse.Namespace) -> list[tuple[str, float]]:
     """("concurrency", C) levels first (C=1 gives the solo texts), then ("rate", R) levels."""
     return [("concurrency", c) for c in args.concurrency_list] + [("rate", r) for r in args.rate_list]
@@ -154,8 +162,7 @@ def run_server(args: argparse.Namespace, backend: str, cache_rate: float | None)
         asyncio.run(run_level(server.url, model, args.warmup_prompts, args.output_tokens, 4, None, args.seed))
         solo_texts: dict[int, str] = {}
         for mode, level in levels(args):
-            count = args.num_prompts or max(8, 2 * int(level)) if mode == "concurrency" else args.num_prompts or 32
-            prompts = args.prompts[:count]
+            prompts = args.prompts[:prompts_per_level(args, mode, level)]
             before = httpx.get(f"{server.url}/engine/v1/stats", timeout=30).json()
             results, wall = asyncio.run(run_level(server.url, model, prompts, args.output_tokens,
                                                   int(level) if mode == "concurrency" else None,
@@ -274,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give at least one --concurrency or --request-rate level")
     if any(c < 1 for c in args.concurrency_list) or any(r <= 0 for r in args.rate_list):
         p.error("concurrency levels must be >= 1 and request rates > 0")
-    most = max([args.num_prompts, 32, *(max(8, 2 * c) for c in args.concurrency_list)])
+    most = max(prompts_per_level(args, mode, level) for mode, level in levels(args))
     everything = chat_prompts(most + 4, seed=args.seed)
     args.prompts, args.warmup_prompts = everything[:most], everything[most:]
     args.log_dir.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,8 @@ one KV slot (``max_running_requests`` slots in all) until it finishes or is abor
 
 Prefix cache: a freed slot keeps the K/V of the tokens its request computed. A new request takes the
 free slot holding the longest prefix of its prompt (else the least recently freed one), or, when a
-running request's slot or another free slot holds a longer prefix (a system prompt shared by users), a
-copy of that prefix into its slot (``ScheduledBatch.kv_copies``, done by the runner before the forward);
+running request's slot holds a longer prefix (a system prompt shared by users), a copy of that prefix
+into its slot (``ScheduledBatch.kv_copies``, done by the runner before the forward);
 its prefill then starts after the prefix. The last prompt token is always computed (its logits give the
 first token).
 
