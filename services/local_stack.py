@@ -1,7 +1,12 @@
 """`make run`: the docker-compose topology as local processes, for machines without Docker.
 
-    redis-server ─ worker (celery, --pool solo) ─ engine (tandem engine) ─ gateway (tandem gateway)
-    └─ Prometheus (when installed) scraping engine, gateway and worker
+    redis-server ─ worker (celery, --pool solo) ─ engine(s) (tandem engine) ─ gateway (tandem gateway)
+    └─ Prometheus (when installed) scraping engines, gateway and worker
+
+``--engines N`` starts N engines behind the one gateway (docs/operating.md "Several GPUs"): on CUDA one
+per GPU (engine i sees only GPU i through CUDA_VISIBLE_DEVICES and is pinned to that GPU's local CPU
+cores, split between GPUs sharing a NUMA node); on the CPU, N engines each pinned to an equal share of
+the cores. Engine i listens on --engine-port + i and is named ``engine`` (i = 0) or ``engine-<i>``.
 
 Each service logs to ``runs/stack-<time>/<service>.log``; a port already in use is named before anything
 starts; Ctrl-C (or SIGTERM) stops every process. A service that dies after it was ready (an engine
@@ -33,6 +38,7 @@ import httpx
 
 from services.common.logging import get_logger, setup_logging
 from services.common.settings import add_dataclass_arguments, dataclass_from_args, env_list, field
+from services.common.topology import Gpu, cpu_engine_cpusets, engine_cpusets, format_cpulist, list_gpus
 
 log = get_logger("local_stack")
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +51,11 @@ class StackConfig:
     model: str = field(env="TANDEM_MODEL", help="what the engine serves (checkpoint dir, 'demo', 'synthetic:NAME')")
     device: str = field("cpu", help="engine compute device (cpu or cuda)")
     port: int = field(8000, help="gateway port (the OpenAI API)")
-    engine_port: int = field(8001, help="engine port (internal API)")
+    engine_port: int = field(8001, help="engine port (internal API); engine i of --engines listens on this + i")
+    engines: int = field(1, help="engines behind the gateway. cuda: one per GPU, engine i on GPU i alone "
+                         "(CUDA_VISIBLE_DEVICES) pinned to the GPU's local CPU cores; 0 = one per visible GPU. "
+                         "cpu: N engines, each pinned to 1/N of the cores (whole physical cores). "
+                         "1 = one engine, not pinned")
     redis_port: int = field(6379, help="redis-server port (Celery broker and backend)")
     worker_metrics_port: int = field(9101, help="profiling worker's Prometheus port")
     prometheus_port: int = field(9090, help="Prometheus port (skipped when prometheus is not installed)")
@@ -57,10 +67,62 @@ class StackConfig:
                               "the stack gives up and stops (0 = any death stops the stack)")
 
 
+@dataclass(frozen=True)
+class EnginePlacement:
+    """One engine of the stack: where it listens, what it may see and run on, how Prometheus labels it."""
+
+    name: str  # service name: "engine" (engine 0), "engine-1", ...
+    port: int
+    cpus: list[int]  # CPU affinity; [] = not pinned
+    env: dict[str, str]  # added to the stack's environment (CUDA_VISIBLE_DEVICES)
+    labels: dict[str, str]  # Prometheus target labels: engine (the gateway's engine id), gpu
+
+
+def visible_gpus(environ: dict) -> list[Gpu]:
+    """nvidia-smi's GPUs, narrowed to CUDA_VISIBLE_DEVICES (indices or UUIDs) when it is set."""
+    gpus = list_gpus()
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return gpus
+    by_key = {**{str(g.index): g for g in gpus}, **{g.uuid: g for g in gpus}}
+    return [by_key[v.strip()] for v in visible.split(",") if v.strip() in by_key]
+
+
+def engine_placements(config: StackConfig, environ: dict) -> list[EnginePlacement]:
+    """The engines ``config`` asks for (docs/operating.md "Several GPUs"); ValueError naming a bad
+    --engines. One engine keeps the single-engine behaviour: no pinning, every GPU visible."""
+    n, device = config.engines, config.device
+    if n < 0:
+        raise ValueError(f"--engines must be 0 (one per GPU) or positive, got {n}")
+    names = ["engine"] + [f"engine-{i}" for i in range(1, max(n, 1))]
+    if not device.startswith("cuda"):
+        if n == 0:
+            raise ValueError("--engines 0 means one engine per GPU: it needs --device cuda")
+        cpusets = cpu_engine_cpusets(n) if n > 1 else [[]]
+        return [EnginePlacement(names[i], config.engine_port + i, cpusets[i], {}, {"engine": str(i), "gpu": "cpu"})
+                for i in range(n)]
+    gpus = visible_gpus(environ)
+    if n == 1:
+        return [EnginePlacement("engine", config.engine_port, [], {},
+                                {"engine": "0", **({"gpu": gpus[0].uuid} if gpus and device == "cuda" else {})})]
+    if device != "cuda":
+        raise ValueError(f"--engines {n} gives each engine its own GPU: use --device cuda, not {device}")
+    if not gpus:
+        raise ValueError(f"--engines {n}: nvidia-smi lists no GPU (is the driver installed?)")
+    n = n or len(gpus)
+    if n > len(gpus):
+        raise ValueError(f"--engines {n}: only {len(gpus)} GPU(s) visible ({', '.join(g.uuid for g in gpus)})")
+    names = ["engine"] + [f"engine-{i}" for i in range(1, n)]
+    cpusets = engine_cpusets(gpus[:n])
+    return [EnginePlacement(names[i], config.engine_port + i, cpusets[i], {"CUDA_VISIBLE_DEVICES": g.uuid},
+                            {"engine": str(i), "gpu": g.uuid}) for i, g in enumerate(gpus[:n])]
+
+
 def write_prometheus_config(dst: Path, ports: dict[str, int], scrape_interval: str = "15s",
-                            host: str = "127.0.0.1") -> Path:
+                            host: str = "127.0.0.1", engines: list[tuple[int, dict]] | None = None) -> Path:
     """Copy deploy/prometheus's config and rules into ``dst`` with targets.json for ``ports`` (job name
-    -> port on ``host``) and the given scrape/evaluation interval. Returns the config path."""
+    -> port on ``host``) and ``engines`` (job engine: port and target labels, one group each) and the
+    given scrape/evaluation interval. Returns the config path."""
     dst.mkdir(parents=True, exist_ok=True)
     text = (PROMETHEUS_SOURCE / "prometheus.yml").read_text()
     for key in ("scrape_interval", "evaluation_interval"):
@@ -69,7 +131,8 @@ def write_prometheus_config(dst: Path, ports: dict[str, int], scrape_interval: s
             raise ValueError(f"{PROMETHEUS_SOURCE / 'prometheus.yml'}: expected one global {key}, found {count}")
     (dst / "prometheus.yml").write_text(text)
     shutil.copy(PROMETHEUS_SOURCE / "rules.yml", dst / "rules.yml")
-    groups = [{"targets": [f"{host}:{port}"], "labels": {"job": job}} for job, port in ports.items()]
+    groups = [{"targets": [f"{host}:{port}"], "labels": {"job": "engine", **labels}} for port, labels in engines or []]
+    groups += [{"targets": [f"{host}:{port}"], "labels": {"job": job}} for job, port in ports.items()]
     (dst / "targets.json").write_text(json.dumps(groups, indent=2) + "\n")
     return dst / "prometheus.yml"
 
@@ -106,18 +169,21 @@ class Stack:
     def __init__(self, config: StackConfig, engine_args: list[str] | None = None, env: dict | None = None):
         self.config = config
         self.engine_args = list(engine_args or [])
-        self.wanted = [s.strip() for s in config.services.split(",") if s.strip()]
-        unknown = set(self.wanted) - set(SERVICES)
+        wanted = [s.strip() for s in config.services.split(",") if s.strip()]
+        unknown = set(wanted) - set(SERVICES)
         if unknown:
             raise ValueError(f"--services: unknown {sorted(unknown)}; choose from {', '.join(SERVICES)}")
+        self.env = dict(os.environ if env is None else env)
+        self.placements = engine_placements(config, self.env) if "engine" in wanted or "gateway" in wanted else []
+        # "engine" stands for every engine: engine, engine-1, ... in start order
+        self.wanted = [name for s in wanted for name in ([p.name for p in self.placements] if s == "engine" else [s])]
         if "prometheus" in self.wanted and shutil.which("prometheus") is None:
             log.warning("prometheus is not installed: starting the stack without it (apt-get install prometheus)")
             self.wanted.remove("prometheus")
         self.run_dir = Path(config.runs_dir) / time.strftime("stack-%Y%m%d-%H%M%S")
-        self.env = dict(os.environ if env is None else env)
         self.env.update({
             "TANDEM_REDIS_URL": f"redis://127.0.0.1:{config.redis_port}/0",
-            "TANDEM_ENGINES": f"http://127.0.0.1:{config.engine_port}",
+            "TANDEM_ENGINES": ",".join(f"http://127.0.0.1:{p.port}" for p in self.placements),
             "TANDEM_WORKER_METRICS_PORT": str(config.worker_metrics_port),
             "PYTHONUNBUFFERED": "1",
         })
@@ -126,9 +192,12 @@ class Stack:
 
     def ports(self) -> dict[str, int]:
         c = self.config
-        every = {"redis": c.redis_port, "worker": c.worker_metrics_port, "engine": c.engine_port,
-                 "gateway": c.port, "prometheus": c.prometheus_port}
+        every = {"redis": c.redis_port, "worker": c.worker_metrics_port, "gateway": c.port,
+                 "prometheus": c.prometheus_port, **{p.name: p.port for p in self.placements}}
         return {s: every[s] for s in self.wanted}
+
+    def placement(self, service: str) -> "EnginePlacement | None":
+        return next((p for p in self.placements if p.name == service), None)
 
     def command(self, service: str) -> list[str]:
         c, py = self.config, sys.executable
@@ -139,13 +208,15 @@ class Stack:
         if service == "worker":  # --pool solo: job metrics live in the process serving /metrics
             return [py, "-m", "celery", "-A", "services.profiler.app", "worker", "--pool", "solo",
                     "--loglevel", "INFO", "--hostname", f"tandem-local-{c.worker_metrics_port}@%h"]
-        if service == "engine":
+        if (engine := self.placement(service)) is not None:
             return [py, "-m", "services.cli", "engine", "--model", c.model, "--device", c.device,
-                    "--host", "127.0.0.1", "--port", str(c.engine_port), *self.engine_args]
+                    "--host", "127.0.0.1", "--port", str(engine.port), *self.engine_args]
         if service == "gateway":  # engine URLs via TANDEM_ENGINES
             return [py, "-m", "services.cli", "gateway", "--host", "127.0.0.1", "--port", str(c.port)]
-        scrape = {job: port for job, port in self.ports().items() if job in ("engine", "gateway", "worker")}
-        config = write_prometheus_config(self.run_dir / "prometheus", scrape, c.scrape_interval)
+        ports = self.ports()
+        scrape = {job: ports[job] for job in ("gateway", "worker") if job in ports}
+        engines = [(p.port, p.labels) for p in self.placements if p.name in ports]
+        config = write_prometheus_config(self.run_dir / "prometheus", scrape, c.scrape_interval, engines=engines)
         return ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={self.run_dir / 'prometheus' / 'data'}",
                 f"--web.listen-address=127.0.0.1:{c.prometheus_port}"]
 
@@ -181,11 +252,19 @@ class Stack:
 
     def _spawn(self, service: str, append: bool = False) -> None:
         logfile = open(self.run_dir / f"{service}.log", "ab" if append else "wb")
+        engine = self.placement(service)
+        env = {**self.env, **(engine.env if engine else {})}
+        cpus = set(engine.cpus) if engine and engine.cpus else None
         # New session: Ctrl-C in the terminal reaches only this process, which then stops the
-        # services in reverse order (the gateway before the engine it talks to).
+        # services in reverse order (the gateway before the engine it talks to). An engine's CPU
+        # affinity is set in the child before exec: its threads (CPU executor workers) inherit it.
         self.procs[service] = subprocess.Popen(self.command(service), stdout=logfile, stderr=subprocess.STDOUT,
-                                               env=self.env, cwd=REPO, start_new_session=True)
+                                               env=env, cwd=REPO, start_new_session=True,
+                                               preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
         logfile.close()
+        if engine is not None and not append:
+            log.info("%s: port %d, %s%s", service, engine.port, engine.labels.get("gpu", "cpu"),
+                     f", CPUs {format_cpulist(engine.cpus)}" if engine.cpus else "")
 
     def restart_exited(self) -> None:
         """Supervise: start again each service that exited (its log appended) and wait until it is ready,
@@ -293,7 +372,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness probe otherwise
-    stack = Stack(config, engine_args)
+    try:
+        stack = Stack(config, engine_args)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
     try:
         stack.start()
         urls = {"gateway": f"http://127.0.0.1:{config.port}/v1", "prometheus": f"http://127.0.0.1:{config.prometheus_port}"}

@@ -266,6 +266,7 @@ class EnginePool:
         self.readers: set[asyncio.Task] = set()  # one per running generation (generation.EngineOutputs)
         self.closing = False  # the shutdown grace is over: no generation may run on
         self._task: asyncio.Task | None = None
+        self._turn = 0  # where the next tie among least-outstanding engines starts (round robin)
 
     async def start(self) -> None:
         await self.poll_once()
@@ -332,7 +333,9 @@ class EnginePool:
 
     def pick(self, model: str, exclude: set[int] = frozenset()) -> EngineState:
         """The healthy engine serving ``model`` with the fewest outstanding requests, leaving out the
-        engines whose ``id()`` is in ``exclude`` (already tried by this request).
+        engines whose ``id()`` is in ``exclude`` (already tried by this request). Ties go round robin:
+        requests sent one at a time (each finished before the next) find every engine at 0 outstanding,
+        and would otherwise all land on the first engine, leaving the other GPUs idle.
 
         Raises EngineError 404 for a model no engine ever served (when every engine has been seen),
         503 when the model's engines are all unavailable."""
@@ -347,7 +350,11 @@ class EnginePool:
         if not candidates:
             raise EngineError(503, f"every engine serving `{model}` is unavailable; retry later",
                               "service_unavailable", {"Retry-After": "5"})
-        return min(candidates, key=lambda e: e.outstanding)
+        least = min(e.outstanding for e in candidates)
+        tied = [e for e in candidates if e.outstanding == least]
+        chosen = tied[self._turn % len(tied)]
+        self._turn += 1
+        return chosen
 
     def by_id(self, engine_id: str) -> EngineState | None:
         for i, e in enumerate(self.engines):

@@ -144,3 +144,91 @@ def test_a_killed_engine_is_restarted_and_served_again(tmp_path):
     finally:
         ensure_stopped(proc)
     assert proc.returncode == 0, out
+
+
+def _cpus_allowed(pid: int) -> str:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return next(line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
+
+
+def test_two_cpu_engines_behind_one_gateway(tmp_path):
+    """`tandem stack --engines 2` (issue 25): two CPU engines on their own ports and cores, one gateway
+    whose requests land on both, Prometheus scraping both with distinct engine labels; one engine
+    killed, the other serves on."""
+    import httpx
+
+    from services.common.topology import parse_cpulist
+
+    gateway_port, engine_port, _, prom_port = free_ports(4)  # engine_port + 1: the second engine
+    proc = start_stack(tmp_path, "--services", "engine,gateway,prometheus", "--engines", "2", "--model", "demo",
+                       "--port", str(gateway_port), "--engine-port", str(engine_port), "--prometheus-port",
+                       str(prom_port), "--scrape-interval", "1s", "--max-seq-len", "256")
+    url = f"http://127.0.0.1:{gateway_port}/v1/completions"
+    body = {"model": "tandem-demo", "prompt": "hi", "max_tokens": 2}
+    try:
+        wait_for_line(proc, "stack ready", timeout=300)
+        engine_urls = [f"http://127.0.0.1:{engine_port + i}" for i in range(2)]
+        for _ in range(4):  # one at a time: the ties between idle engines take turns
+            assert httpx.post(url, json=body, timeout=60).status_code == 200
+        finished = [httpx.get(u + "/engine/v1/stats", timeout=10).json()["requests_finished"] for u in engine_urls]
+        assert finished == [2, 2], finished
+
+        engines = {}
+        for kid in children_of(proc.pid):
+            cmdline = Path(f"/proc/{kid}/cmdline").read_text().split("\0")
+            if "engine" in cmdline:
+                engines[int(cmdline[cmdline.index("--port") + 1])] = kid
+        assert sorted(engines) == [engine_port, engine_port + 1]
+        allowed = [parse_cpulist(_cpus_allowed(engines[p])) for p in sorted(engines)]
+        every = sorted(os.sched_getaffinity(0))
+        if len(every) > 1:  # one share of the cores each, together all of them
+            assert not set(allowed[0]) & set(allowed[1]) and sorted(allowed[0] + allowed[1]) == every, allowed
+
+        deadline = time.monotonic() + 60
+        while True:
+            ups = httpx.get(f"http://127.0.0.1:{prom_port}/api/v1/query", params={"query": 'up{job="engine"}'},
+                            timeout=10).json()["data"]["result"]
+            labels = sorted((u["metric"]["engine"], u["metric"]["gpu"], u["value"][1]) for u in ups)
+            if labels == [("0", "cpu", "1"), ("1", "cpu", "1")]:
+                break
+            assert time.monotonic() < deadline, ups
+            time.sleep(0.5)
+
+        os.kill(engines[engine_port], signal.SIGKILL)  # the stack restarts it; until then engine 1 serves
+        for _ in range(3):  # routed to the dead one, a request fails over to the live one
+            assert httpx.post(url, json=body, timeout=60).status_code == 200
+    finally:
+        ensure_stopped(proc)
+
+
+def test_engine_placements_one_per_gpu(monkeypatch):
+    """--device cuda --engines 0: one engine per visible GPU, each seeing only its GPU (by UUID, which
+    CUDA_VISIBLE_DEVICES accepts and which survives renumbering) and labelled with it; a count over the
+    GPUs, or several engines on one pinned device, is refused naming the problem."""
+    import pytest
+
+    from services import local_stack
+    from services.common.topology import Gpu
+
+    gpus = [Gpu(i, f"GPU-{i}", f"0000:{i:02x}:00.0") for i in range(3)]
+    monkeypatch.setattr(local_stack, "list_gpus", lambda: gpus)
+    monkeypatch.setattr(local_stack, "engine_cpusets", lambda gs: [[2 * g.index, 2 * g.index + 1] for g in gs])
+    config = local_stack.StackConfig(model="demo", device="cuda", engines=0, engine_port=9000)
+    placed = local_stack.engine_placements(config, {})
+    assert [(p.name, p.port, p.cpus, p.env, p.labels) for p in placed] == [
+        (f"engine{'-%d' % i if i else ''}", 9000 + i, [2 * i, 2 * i + 1], {"CUDA_VISIBLE_DEVICES": f"GPU-{i}"},
+         {"engine": str(i), "gpu": f"GPU-{i}"}) for i in range(3)]
+    visible = local_stack.engine_placements(config, {"CUDA_VISIBLE_DEVICES": "2,GPU-0"})
+    assert [p.labels["gpu"] for p in visible] == ["GPU-2", "GPU-0"]
+    single = local_stack.engine_placements(local_stack.StackConfig(model="demo", device="cuda"), {})
+    assert [(p.cpus, p.env, p.labels) for p in single] == [([], {}, {"engine": "0", "gpu": "GPU-0"})]
+    for device, n, why in (("cuda", 4, "only 3 GPU"), ("cuda:1", 2, "use --device cuda"),
+                           ("cpu", 0, "needs --device cuda"), ("cpu", -1, "must be 0")):
+        with pytest.raises(ValueError, match=why):
+            local_stack.engine_placements(local_stack.StackConfig(model="demo", device=device, engines=n), {})
+
+
+def test_stack_help_explains_engines():
+    out = subprocess.run([sys.executable, "-m", "services.local_stack", "--help"], cwd=REPO, capture_output=True,
+                         text=True, timeout=60).stdout
+    assert "--engines ENGINES" in out and "one per visible GPU" in " ".join(out.split())
