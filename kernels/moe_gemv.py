@@ -13,12 +13,24 @@ bank, with ``e`` loaded on the device: no host sync, fixed grid, capturable in a
     out[t, :] = sum over the A routes of token t of y, cast to hidden's dtype     kernel 3
 
 Routes with e_r < 0 (computed elsewhere, e.g. by the CPU in hybrid mode) write zeros.
+
+gpt-oss experts (``act`` = ClampedSwiGLU, ``bias``): gate_up_bias[e_r] is added to the gate / up sums and
+down_bias[e_r] to y before the routing weight, and kernel 1 applies (clamp(u, +-7) + 1) * g * sigmoid(1.702 g)
+with g = min(gate, 7) (constexpr switches: the plain experts' kernels are unchanged).
 The reference is ``services.engine.moe.reference.moe_reference``; tests/kernels/test_moe_gemv.py.
 
 FP8 experts (fp8_block banks, services/engine/moe/fp8.py): the same kernels read float8_e4m3fn weights
 and multiply each element by its 128x128 block's fp32 scale in registers (a scale load per element
 hits L1: a [16, 256] tile touches at most 2 x 3 scales), so no dequantized copy of an expert exists;
 the reference is fp8.dequantize + moe_reference (tests/kernels/test_moe_gemv_fp8.py).
+
+MXFP4 experts (gpt-oss's Hub format kept as is: uint8 banks, 32 e2m1 values per E8M0 scale): the kernels
+read the packed bytes (half a byte per weight: gpt-oss-120b's 4 routed experts of a layer are ~52 MB
+instead of ~200 MB of bf16) and decode them in registers without a lookup table (``_e2m1_dot``: a
+nibble's bits placed in an fp16 give the value exactly, times 2**-14), sum each 32-value block's products,
+then multiply by the block's scale, built as an fp32 exponent field (exact). The even and odd weights of
+a byte meet x's even and odd elements, so nothing is interleaved. The reference is models/mxfp4.dequantize
++ moe_reference (tests/kernels/test_moe_gemv_gpt_oss.py, which also checks hand-computed values).
 """
 
 from __future__ import annotations
@@ -37,18 +49,65 @@ BLOCK_C = 256
 
 
 SCALE_BLOCK = 128  # fp8_block: the edge of a scale's block (fp8.BLOCK)
+MX_BLOCK = 32  # mxfp4: values per E8M0 scale (models/mxfp4.BLOCK); 16 bytes of packed e2m1
+# Weight formats (constexpr QUANT): bank dtype bf16/fp32, float8_e4m3fn + fp32 block scales, uint8 MXFP4
+PLAIN, FP8, MXFP4 = 0, 1, 2
+
+
+@triton.jit
+def _e2m1_dot(b, xe, xo):
+    """b uint8 [N, KB] (two e2m1 per byte: element 2j low nibble, 2j+1 high) · xe/xo fp32 [KB] (the even and
+    odd elements of x) -> [N, KB] fp32 products, each 2**-14 times the true one. A nibble s|e1e0|m is placed
+    in an fp16 as sign bit 15 and exponent/mantissa bits 11..9: fp16's value is then exactly e2m1 * 2**-14
+    (normal for e > 0, the subnormal m * 2**-15 for e = 0: 0.5 * 2**-14), so no lookup table is needed."""
+    b = b.to(tl.uint16)
+    lo = (((b & 0x07) << 9) | ((b & 0x08) << 12)).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo * xe[None, :] + hi * xo[None, :]
+
+
+@triton.jit
+def _e8m0_scale(s):
+    """E8M0 exponents uint8 [...] -> 2**(s - 127) * 2**14 fp32 (the 2**14 that _e2m1_dot leaves out), made as
+    an fp32 exponent field, so exact: s + 14 fits the field up to s = 240 (2**113; real scales sit near 127)."""
+    return (tl.minimum(s.to(tl.int32) + 14, 255) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mx_row_dot(w_ptr, s_ptr, offs_r, mask_r, stride_wr, stride_sr, v_ptr, KB,
+                BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr):
+    """sum over k of W[r, k] * v[k] for MXFP4 rows r = offs_r: W's packed bytes at w_ptr [rows, KB] and
+    its scales at s_ptr [rows, KB/16], v at v_ptr [2*KB] -> [BLOCK_R] fp32. Each 16-byte block's products
+    are summed first, then scaled once."""
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for k0 in range(0, KB, BLOCK_KB):
+        offs_b = k0 + tl.arange(0, BLOCK_KB)  # [BLOCK_KB] byte columns
+        mask_b = offs_b < KB
+        ve = tl.load(v_ptr + 2 * offs_b, mask=mask_b, other=0.0).to(tl.float32)  # elements 2j
+        vo = tl.load(v_ptr + 2 * offs_b + 1, mask=mask_b, other=0.0).to(tl.float32)  # elements 2j + 1
+        b = tl.load(w_ptr + offs_r[:, None] * stride_wr + offs_b[None, :],
+                    mask=mask_r[:, None] & mask_b[None, :], other=0)
+        p = _e2m1_dot(b, ve, vo)  # [R, BLOCK_KB]
+        part = tl.sum(tl.reshape(p, [BLOCK_R, BLOCK_KB // 16, 16]), axis=2)  # [R, BLOCK_KB/16] per block
+        offs_s = k0 // 16 + tl.arange(0, BLOCK_KB // 16)
+        s = tl.load(s_ptr + offs_r[:, None] * stride_sr + offs_s[None, :],
+                    mask=mask_r[:, None] & (offs_s < KB // 16)[None, :], other=0)
+        acc += tl.sum(part * _e8m0_scale(s), axis=1)
+    return acc
 
 
 @triton.jit
 def _gate_up_act_kernel(
-    # pointers (gs_ptr: fp8 scales [E, 2*ceil(I/128), ceil(D/128)], unused unless FP8)
-    x_ptr, ids_ptr, gate_up_ptr, act_ptr, gs_ptr,
-    # sizes (NB = ceil(I/128): the first scale row of up)
-    A, D, I, NB,
+    # pointers (gs_ptr: fp8 scales [E, 2*ceil(I/128), ceil(D/128)] or mxfp4 scales [E, 2I, D/32], unused
+    # when PLAIN; gb_ptr: gate_up_bias [E, 2I], unused unless BIAS)
+    x_ptr, ids_ptr, gate_up_ptr, act_ptr, gs_ptr, gb_ptr,
+    # sizes (NB = ceil(I/128): the first fp8 scale row of up) · clamped SwiGLU's alpha and limit
+    A, D, I, NB, alpha, limit,
     # strides (elements)
-    stride_x, stride_ge, stride_gr, stride_act, stride_gse, stride_gsr,
+    stride_x, stride_ge, stride_gr, stride_act, stride_gse, stride_gsr, stride_gbe,
     # meta
-    BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr, SB: tl.constexpr,
+    BIAS: tl.constexpr, CLAMP: tl.constexpr,
 ):
     r = tl.program_id(0)
     offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I] rows of gate (and of up)
@@ -59,33 +118,51 @@ def _gate_up_act_kernel(
     acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
     if e >= 0:
         base = gate_up_ptr + e.to(tl.int64) * stride_ge
-        for k0 in range(0, D, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < D
-            x = tl.load(x_ptr + t * stride_x + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BLOCK_K]
-            m = mask_i[:, None] & mask_k[None, :]
-            wg = tl.load(base + offs_i[:, None] * stride_gr + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
-            wu = tl.load(base + (offs_i[:, None] + I) * stride_gr + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
-            if FP8:  # gate's block rows, then up's from NB on
-                sbase = gs_ptr + e.to(tl.int64) * stride_gse + (offs_k // SB)[None, :]
-                wg *= tl.load(sbase + (offs_i // SB)[:, None] * stride_gsr, mask=m, other=0.0)
-                wu *= tl.load(sbase + (NB + offs_i // SB)[:, None] * stride_gsr, mask=m, other=0.0)
-            acc_g += tl.sum(wg * x[None, :], axis=1)
-            acc_u += tl.sum(wu * x[None, :], axis=1)
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(g) * u; zeros for skipped routes
+        if QUANT == 2:  # MXFP4: D/2 bytes per row, BLOCK_K elements = BLOCK_K/2 bytes a step
+            sbase = gs_ptr + e.to(tl.int64) * stride_gse
+            acc_g = _mx_row_dot(base, sbase, offs_i, mask_i, stride_gr, stride_gsr, x_ptr + t * stride_x,
+                                D // 2, BLOCK_I, BLOCK_K // 2)
+            acc_u = _mx_row_dot(base, sbase, offs_i + I, mask_i, stride_gr, stride_gsr, x_ptr + t * stride_x,
+                                D // 2, BLOCK_I, BLOCK_K // 2)
+        else:
+            for k0 in range(0, D, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mask_k = offs_k < D
+                x = tl.load(x_ptr + t * stride_x + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BLOCK_K]
+                m = mask_i[:, None] & mask_k[None, :]
+                wg = tl.load(base + offs_i[:, None] * stride_gr + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
+                wu = tl.load(base + (offs_i[:, None] + I) * stride_gr + offs_k[None, :], mask=m,
+                             other=0.0).to(tl.float32)
+                if QUANT == 1:  # fp8: gate's block rows, then up's from NB on
+                    sbase = gs_ptr + e.to(tl.int64) * stride_gse + (offs_k // SB)[None, :]
+                    wg *= tl.load(sbase + (offs_i // SB)[:, None] * stride_gsr, mask=m, other=0.0)
+                    wu *= tl.load(sbase + (NB + offs_i // SB)[:, None] * stride_gsr, mask=m, other=0.0)
+                acc_g += tl.sum(wg * x[None, :], axis=1)
+                acc_u += tl.sum(wu * x[None, :], axis=1)
+        if BIAS:
+            bias = gb_ptr + e.to(tl.int64) * stride_gbe
+            acc_g += tl.load(bias + offs_i, mask=mask_i, other=0.0).to(tl.float32)
+            acc_u += tl.load(bias + I + offs_i, mask=mask_i, other=0.0).to(tl.float32)
+    if CLAMP:  # gpt-oss (reference.ClampedSwiGLU): (clamp(u, +-limit) + 1) * g * sigmoid(alpha g), g <= limit
+        g = tl.minimum(acc_g, limit)
+        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        act = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))  # zeros for skipped routes (g = u = 0)
+    else:
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(g) * u; zeros for skipped routes
     tl.store(act_ptr + r * stride_act + offs_i, act, mask=mask_i)
 
 
 @triton.jit
 def _down_kernel(
-    # pointers (ds_ptr: fp8 scales [E, ceil(D/128), ceil(I/128)], unused unless FP8)
-    act_ptr, ids_ptr, w_ptr, down_ptr, y_ptr, ds_ptr,
+    # pointers (ds_ptr: fp8 scales [E, ceil(D/128), ceil(I/128)] or mxfp4 scales [E, D, I/32], unused when
+    # PLAIN; db_ptr: down_bias [E, D], unused unless BIAS)
+    act_ptr, ids_ptr, w_ptr, down_ptr, y_ptr, ds_ptr, db_ptr,
     # sizes
     D, I,
     # strides (elements)
-    stride_act, stride_de, stride_dr, stride_y, stride_dse, stride_dsr,
+    stride_act, stride_de, stride_dr, stride_y, stride_dse, stride_dsr, stride_dbe,
     # meta
-    BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr, SB: tl.constexpr, BIAS: tl.constexpr,
 ):
     r = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D] output rows
@@ -94,16 +171,22 @@ def _down_kernel(
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     if e >= 0:
         base = down_ptr + e.to(tl.int64) * stride_de
-        for k0 in range(0, I, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < I
-            a = tl.load(act_ptr + r * stride_act + offs_k, mask=mask_k, other=0.0)  # [BLOCK_K] fp32
-            m = mask_d[:, None] & mask_k[None, :]
-            wd = tl.load(base + offs_d[:, None] * stride_dr + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
-            if FP8:
-                wd *= tl.load(ds_ptr + e.to(tl.int64) * stride_dse + (offs_d // SB)[:, None] * stride_dsr
-                              + (offs_k // SB)[None, :], mask=m, other=0.0)
-            acc += tl.sum(wd * a[None, :], axis=1)
+        if QUANT == 2:  # MXFP4: I/2 bytes per row
+            acc = _mx_row_dot(base, ds_ptr + e.to(tl.int64) * stride_dse, offs_d, mask_d, stride_dr, stride_dsr,
+                              act_ptr + r * stride_act, I // 2, BLOCK_D, BLOCK_K // 2)
+        else:
+            for k0 in range(0, I, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mask_k = offs_k < I
+                a = tl.load(act_ptr + r * stride_act + offs_k, mask=mask_k, other=0.0)  # [BLOCK_K] fp32
+                m = mask_d[:, None] & mask_k[None, :]
+                wd = tl.load(base + offs_d[:, None] * stride_dr + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
+                if QUANT == 1:
+                    wd *= tl.load(ds_ptr + e.to(tl.int64) * stride_dse + (offs_d // SB)[:, None] * stride_dsr
+                                  + (offs_k // SB)[None, :], mask=m, other=0.0)
+                acc += tl.sum(wd * a[None, :], axis=1)
+        if BIAS:  # before the routing weight, as the reference
+            acc += tl.load(db_ptr + e.to(tl.int64) * stride_dbe + offs_d, mask=mask_d, other=0.0).to(tl.float32)
         acc = acc * tl.load(w_ptr + r).to(tl.float32)
     tl.store(y_ptr + r * stride_y + offs_d, acc, mask=mask_d)
 
@@ -124,48 +207,78 @@ def _combine_kernel(
     tl.store(out_ptr + t * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _check_scales(gate_up_scale, down_scale, want_gu, want_d, what: str, layout: str) -> None:
+    if (down_scale is None or tuple(gate_up_scale.shape) != want_gu or tuple(down_scale.shape) != want_d
+            or gate_up_scale.stride(2) != 1 or down_scale.stride(2) != 1):
+        raise ValueError(f"moe_gemv: {what} scales gate_up_scale {tuple(gate_up_scale.shape)}, down_scale "
+                         f"{None if down_scale is None else tuple(down_scale.shape)} do not match {layout} = "
+                         f"{want_gu} and {want_d} (contiguous last dimension)")
+
+
 def moe_gemv(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
              gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
-             down_scale: torch.Tensor | None = None) -> torch.Tensor:
+             down_scale: torch.Tensor | None = None, act=None,
+             bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """hidden [T, D] · topk_ids [T, A] int (-1 = skip) · topk_weights [T, A] · gate_up [E, 2I, D] ·
     down [E, D, I] -> [T, D] in hidden's dtype (fp32 accumulation). Same contract as moe_reference.
     FP8 banks: gate_up and down float8_e4m3fn with gate_up_scale [E, 2*ceil(I/128), ceil(D/128)] and
-    down_scale [E, ceil(D/128), ceil(I/128)] fp32 (services/engine/moe/fp8.py)."""
+    down_scale [E, ceil(D/128), ceil(I/128)] fp32 (services/engine/moe/fp8.py).
+    MXFP4 banks (told apart by their uint8 weights): gate_up [E, 2I, D/2] and down [E, D, I/2] packed
+    e2m1, gate_up_scale [E, 2I, D/32] and down_scale [E, D, I/32] uint8 E8M0 (D and I multiples of 32).
+    gpt-oss experts: ``act`` a ClampedSwiGLU (its alpha and limit are read), ``bias`` (gate_up_bias [E, 2I],
+    down_bias [E, D])."""
     T, A = topk_ids.shape
-    E, two_i, D = gate_up.shape
+    mx = gate_up.dtype == torch.uint8
+    E, two_i = gate_up.shape[:2]
     I = two_i // 2
-    if hidden.shape != (T, D) or down.shape != (E, D, I) or topk_weights.shape != (T, A):
+    D = gate_up.shape[2] * (2 if mx else 1)
+    want_d = (E, D, I // 2) if mx else (E, D, I)
+    if hidden.shape != (T, D) or tuple(down.shape) != want_d or topk_weights.shape != (T, A):
         raise ValueError(f"moe_gemv: shapes hidden {tuple(hidden.shape)}, topk_ids {tuple(topk_ids.shape)}, "
                          f"topk_weights {tuple(topk_weights.shape)}, gate_up {tuple(gate_up.shape)}, "
-                         f"down {tuple(down.shape)} do not match [T, D], [T, A], [T, A], [E, 2I, D], [E, D, I]")
+                         f"down {tuple(down.shape)} do not match [T, D], [T, A], [T, A], [E, 2I, D], [E, D, I]"
+                         + (" (MXFP4: D and I halved in the last dimension)" if mx else ""))
     if gate_up.stride(2) != 1 or down.stride(2) != 1:
         raise ValueError("moe_gemv: gate_up and down need a contiguous last dimension")
-    fp8 = gate_up_scale is not None
     nb, nd = -(-I // SCALE_BLOCK), -(-D // SCALE_BLOCK)
-    if fp8 and (down_scale is None or gate_up_scale.shape != (E, 2 * nb, nd) or down_scale.shape != (E, nd, nb)
-                or gate_up_scale.stride(2) != 1 or down_scale.stride(2) != 1):
-        raise ValueError(f"moe_gemv: fp8 scales gate_up_scale {tuple(gate_up_scale.shape)}, down_scale "
-                         f"{None if down_scale is None else tuple(down_scale.shape)} do not match "
-                         f"[E, 2*ceil(I/128), ceil(D/128)] = {(E, 2 * nb, nd)} and [E, ceil(D/128), ceil(I/128)]")
-    gs = gate_up_scale if fp8 else gate_up  # not read unless FP8
-    ds = down_scale if fp8 else down
+    if mx:
+        if D % MX_BLOCK or I % MX_BLOCK or gate_up_scale is None:
+            raise ValueError(f"moe_gemv: MXFP4 banks need D ({D}) and I ({I}) multiples of {MX_BLOCK} and "
+                             "gate_up_scale / down_scale")
+        _check_scales(gate_up_scale, down_scale, (E, 2 * I, D // MX_BLOCK), (E, D, I // MX_BLOCK), "mxfp4",
+                      "[E, 2I, D/32] and [E, D, I/32]")
+        quant = MXFP4
+    elif gate_up_scale is not None:
+        _check_scales(gate_up_scale, down_scale, (E, 2 * nb, nd), (E, nd, nb), "fp8",
+                      "[E, 2*ceil(I/128), ceil(D/128)] and [E, ceil(D/128), ceil(I/128)]")
+        quant = FP8
+    else:
+        quant = PLAIN
+    if bias is not None and (tuple(bias[0].shape) != (E, 2 * I) or tuple(bias[1].shape) != (E, D)
+                             or bias[0].stride(1) != 1 or bias[1].stride(1) != 1):
+        raise ValueError(f"moe_gemv: biases {tuple(bias[0].shape)}, {tuple(bias[1].shape)} do not match "
+                         f"[E, 2I] = {(E, 2 * I)} and [E, D] = {(E, D)} (contiguous last dimension)")
+    gs = gate_up_scale if quant != PLAIN else gate_up  # not read when PLAIN
+    ds = down_scale if quant != PLAIN else down
+    gb, db = bias if bias is not None else (gate_up, down)  # not read without biases
     hidden = hidden.contiguous()
     ids = topk_ids.reshape(-1).contiguous()  # [R]
     weights = topk_weights.reshape(-1).contiguous()  # [R]
     R = ids.numel()
-    act = torch.empty((R, I), dtype=torch.float32, device=hidden.device)  # [R, I]
+    inter = torch.empty((R, I), dtype=torch.float32, device=hidden.device)  # [R, I] activations
     y = torch.empty((R, D), dtype=torch.float32, device=hidden.device)  # [R, D]
     _gate_up_act_kernel[(R, triton.cdiv(I, BLOCK_I))](
-        hidden, ids, gate_up, act, gs,
-        A, D, I, nb,
-        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), gs.stride(0), gs.stride(1),
-        BLOCK_I=BLOCK_I, BLOCK_K=BLOCK_K1, FP8=fp8, SB=SCALE_BLOCK,
+        hidden, ids, gate_up, inter, gs, gb,
+        A, D, I, nb, float(act.alpha) if act is not None else 0.0, float(act.limit) if act is not None else 0.0,
+        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0), gs.stride(0), gs.stride(1),
+        gb.stride(0),
+        BLOCK_I=BLOCK_I, BLOCK_K=BLOCK_K1, QUANT=quant, SB=SCALE_BLOCK, BIAS=bias is not None, CLAMP=act is not None,
     )
     _down_kernel[(R, triton.cdiv(D, BLOCK_D))](
-        act, ids, weights, down, y, ds,
+        inter, ids, weights, down, y, ds, db,
         D, I,
-        act.stride(0), down.stride(0), down.stride(1), y.stride(0), ds.stride(0), ds.stride(1),
-        BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K2, FP8=fp8, SB=SCALE_BLOCK,
+        inter.stride(0), down.stride(0), down.stride(1), y.stride(0), ds.stride(0), ds.stride(1), db.stride(0),
+        BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K2, QUANT=quant, SB=SCALE_BLOCK, BIAS=bias is not None,
     )
     out = torch.empty((T, D), dtype=hidden.dtype, device=hidden.device)  # [T, D]
     _combine_kernel[(T, triton.cdiv(D, BLOCK_C))](  # sum over the A routes + cast: one launch, not two

@@ -120,21 +120,19 @@ class DecodeKernel:
         scales = (gate_up_scale, down_scale)
         # past decode sizes the torch fallback would gather R experts' weights (GBs): group instead
         fallback = moe_gathered if topk_ids.numel() <= GATHER_MAX_ROUTES else moe_grouped
-        if act is not None or bias is not None:  # gpt-oss experts: the Triton GEMV has no biases / clamp yet
-            return fallback(hidden, topk_ids, topk_weights, gate_up, down, act, bias, *scales)
         if self.kind == "triton":
             try:
                 if self._gemv is None:
                     from kernels.moe_gemv import moe_gemv
 
                     self._gemv = moe_gemv
-                return self._gemv(hidden, topk_ids, topk_weights, gate_up, down, *scales)
+                return self._gemv(hidden, topk_ids, topk_weights, gate_up, down, *scales, act=act, bias=bias)
             except Exception as e:  # noqa: BLE001 - keep serving; stats() shows the kernel in use
                 if torch.cuda.is_current_stream_capturing():
                     raise
                 log.warning("Triton moe_gemv unavailable (%s: %s); decode uses torch gather+bmm", type(e).__name__, e)
                 self.kind = "torch"
-        return fallback(hidden, topk_ids, topk_weights, gate_up, down, None, None, *scales)
+        return fallback(hidden, topk_ids, topk_weights, gate_up, down, act, bias, *scales)
 
 
 moe_decode = DecodeKernel()  # shared by backends that compute experts on the GPU (resident, offload)
@@ -146,11 +144,9 @@ def moe_compute(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                 down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts of a step by the cheapest way for its size (module docstring): the GEMV kernels on
     CUDA up to PREFILL_GEMV_MAX_ROUTES routes, the grouped loop beyond and on the CPU. ``act`` / ``bias``:
-    gpt-oss experts (torch paths only for now: gather+bmm for decode, the grouped loop beyond)."""
+    gpt-oss experts (every path has them)."""
     R = topk_ids.numel()
-    plain = act is None and bias is None
-    if hidden.is_cuda and (R <= GATHER_MAX_ROUTES or (R <= PREFILL_GEMV_MAX_ROUTES and moe_decode.kind == "triton"
-                                                      and plain)):
+    if hidden.is_cuda and (R <= GATHER_MAX_ROUTES or (R <= PREFILL_GEMV_MAX_ROUTES and moe_decode.kind == "triton")):
         return moe_decode(hidden, topk_ids, topk_weights, gate_up, down, act, bias, gate_up_scale, down_scale)
     return moe_grouped(hidden, topk_ids, topk_weights, gate_up, down, act, bias, gate_up_scale, down_scale)
 
