@@ -40,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from kernels.ensure_experts_ref import USE_CAP, USE_SHIFT, check_use_cap
-from services.engine.moe.hybrid import DECODE_MAX_ROUTES  # above: a call takes the offload path (every miss fetched)
+from services.engine.moe.hybrid import SPLIT_MAX_TOKENS  # above: a call takes the offload path (every miss fetched)
 
 Q16 = 1 << 16
 _PROTECTED = 1 << 62  # a slot hit or taken in this call: never the victim
@@ -88,11 +88,13 @@ class SlotCache:
     """The slot cache's tables and one policy, in numpy: ``call(layer, routes)`` is one backend call."""
 
     def __init__(self, num_layers: int, num_experts: int, num_slots: int, fetch_fraction: float = 1.0,
-                 max_fetch: int = -1, evict: str = "lru", fetch: str = "lowest-id", use_cap: int = USE_CAP):
+                 max_fetch: int = -1, evict: str = "lru", fetch: str = "lowest-id", use_cap: int = USE_CAP,
+                 top_k: int = 8):
         if evict not in EVICT or fetch not in FETCH:
             raise ValueError(f"unknown policy: evict {evict!r}, fetch {fetch!r}")
         check_use_cap(use_cap)
         self.use_cap = use_cap  # every layer's counts halve when one reaches it (--moe-cache-lfu-cap)
+        self.max_split_routes = SPLIT_MAX_TOKENS * top_k  # a call of more routes takes the offload path
         self.E, self.S = num_experts, num_slots
         self.q16, self.max_fetch, self.evict, self.fetch = round(fetch_fraction * Q16), max_fetch, evict, fetch
         self.slot_of_id = np.full(num_layers * num_experts, -1, dtype=np.int64)
@@ -118,7 +120,7 @@ class SlotCache:
         present = sorted({e for e in routes if 0 <= e < self.E})
         for e, when in (next_use or {}).items():
             self.next_use[base + e] = when
-        if len(routes) > DECODE_MAX_ROUTES or (self.q16 >= Q16 and self.max_fetch < 0):
+        if len(routes) > self.max_split_routes or (self.q16 >= Q16 and self.max_fetch < 0):
             chunk = min(self.E, self.S)  # offload (or a prefill): every miss, chunk by chunk of present experts
             for start in range(0, len(present), chunk):
                 part = present[start:start + chunk]

@@ -363,9 +363,15 @@ class Engine:
         self._observe_backend(batch, seconds)
 
     def _observe_backend(self, batch, seconds: float) -> None:
-        """Decode step times feed `auto`'s online verdict; a rebuilt backend needs new decode graphs."""
+        """Step times feed hybrid's per-bucket split and `auto`'s online verdict (decode steps); a rebuilt
+        backend needs new decode graphs. Steps with prompt tokens feed the split of their own bucket."""
+        if batch.num_prefill:
+            observe_prefill = getattr(self.backend, "observe_prefill_step", None)
+            if observe_prefill is not None:
+                observe_prefill(seconds, batch.num_tokens)
+            return
         observe = getattr(self.backend, "observe_decode_step", None)
-        if observe is not None and batch.num_prefill == 0 and observe(seconds, len(batch.requests)):
+        if observe is not None and observe(seconds, len(batch.requests)):
             self._recapture = True
 
     def _finished(self, req: Request, now: float) -> None:

@@ -24,6 +24,9 @@ sit one level down in a nested dict, e.g. the offload backend's ``{"backend": ..
     -- a list given there replaces the total for that key (label layer="0".."L-1"; else layer="all")
   current values (floats): slots (cache size), fetch_fraction, pcie_bytes_per_second,
     cpu_bytes_per_second, c_sync_seconds (the split controller's ``stats()``)
+  per bucket of tokens per step (optional, hybrid): "buckets": {"1": {"fetch_fraction": f,
+    "seconds_per_token": s, ...}, "2": ..., "prefill": ...} -- label bucket; at most log2(max running
+    requests) + 2 values (services/engine/moe/split_buckets.py), so the cardinality stays bounded
 """
 
 from __future__ import annotations
@@ -60,6 +63,12 @@ CPU_WORKER_PREEMPTIONS = Counter("tandem_cpu_worker_preemptions_total",
                                  _M)
 HYBRID_FETCH_FRACTION = Gauge("tandem_hybrid_fetch_fraction",
                               "Share f of missing experts sent to the fetch path (docs/design.md §1), 0..1.", _M)
+HYBRID_BUCKET_FETCH_FRACTION = Gauge("tandem_hybrid_bucket_fetch_fraction",
+                                     "Fetch fraction f per bucket of tokens per step (1, 2, 4, ..., prefill): 1 = the "
+                                     "offload path, 0 = every miss on the CPU.", ["model_name", "bucket"])
+HYBRID_BUCKET_STEP = Gauge("tandem_hybrid_bucket_seconds_per_token",
+                           "Median step time per token of the bucket's last 32 steps (what its split tuner minimises).",
+                           ["model_name", "bucket"])
 BANDWIDTH = Gauge("tandem_bandwidth_bytes_per_second",
                   "Bandwidth measured online while both paths run: path=pcie (fetch) or path=cpu (in place).",
                   ["model_name", "path"])
@@ -175,6 +184,15 @@ class EngineMetrics:
         for key, gauge in gauges.items():
             if stats.get(key) is not None:
                 gauge.set(float(stats[key]))
+        buckets = stats.get("buckets")
+        if isinstance(buckets, Mapping):
+            for name, b in buckets.items():
+                if not isinstance(b, Mapping):
+                    continue
+                if b.get("fetch_fraction") is not None:
+                    HYBRID_BUCKET_FETCH_FRACTION.labels(m, str(name)).set(float(b["fetch_fraction"]))
+                if b.get("seconds_per_token") is not None:
+                    HYBRID_BUCKET_STEP.labels(m, str(name)).set(float(b["seconds_per_token"]))
 
     def _add(self, child, key: str, layer: str, value) -> None:
         value = float(value)

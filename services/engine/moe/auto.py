@@ -4,9 +4,15 @@ bandwidths and c_sync). The profile is the prior, not the verdict: under hybrid 
 correcting f while serving. No profile (or no GPU): offload, with a log line saying how to make one.
 
 The profile's verdict is checked online too (the reference's known failure: an offline profile picking
-hybrid where it is several times slower, e.g. when per-layer handoffs or eager launches dominate). The
-engine reports each decode step's wall time (``observe_decode_step``); after a warm-up the chosen backend
-is timed for TRIAL_STEPS steps, then the other one, and the faster per token is kept for good.
+hybrid where it is several times slower, e.g. when per-layer handoffs or eager launches dominate), per
+bucket of tokens per step (services/engine/moe/split_buckets.py: 1, 2, 4, ... sequences): the fetch/CPU
+optimum moves with the batch, so one verdict for every batch size would be wrong for some. The engine
+reports each decode step's wall time (``observe_decode_step``); after a warm-up the chosen backend is
+timed for TRIAL_STEPS steps (each step into its bucket), then the other one. Per bucket timed by both
+(MIN_BUCKET_STEPS steps each) the faster per token wins. Hybrid is kept when it wins any bucket; the
+buckets offload won are pinned to f = 1 in it (the offload path: every miss fetched), the others keep
+their tuned split (its scan covers f = 0, all misses on the CPU, to f = 1); buckets neither trial saw are
+decided by hybrid's per-bucket tuner alone. Offload is kept when it wins every bucket timed by both.
 
 ``reload_profile()`` re-reads the profile while serving: same backend -> hybrid's controller restarts from
 the new prior; another backend -> the inner backend is rebuilt. After any rebuild the engine re-captures
@@ -25,12 +31,13 @@ from services.engine.moe.backends import BackendContext, ExpertBackend, register
 from services.engine.moe.hybrid import HybridBackend, profile_prior
 from services.engine.moe.offload import OffloadBackend, kv_reserve_bytes
 from services.engine.moe.sizing import CacheGeometry, decide_cache_size
-from services.engine.moe.split import SplitController
+from services.engine.moe.split_buckets import bucket_name, next_pow2
 
 log = get_logger("moe.auto")
 
 WARMUP_STEPS = 16  # decode steps ignored after a (re)build: the new cache starts empty
-TRIAL_STEPS = 32  # decode steps timed per candidate (median per token)
+TRIAL_STEPS = 32  # decode steps timed per candidate (median per token, per bucket)
+MIN_BUCKET_STEPS = 8  # a bucket's verdict needs this many of its steps timed under each candidate
 OTHER = {MoEBackend.OFFLOAD.value: MoEBackend.HYBRID.value, MoEBackend.HYBRID.value: MoEBackend.OFFLOAD.value}
 
 
@@ -51,6 +58,7 @@ class AutoBackend:
         # sized once: both candidates get the same slots, so a switch on reload keeps the VRAM budget
         self.num_slots = decide_cache_size(ctx.config, self.geometry, ctx.device, ctx.weight_bytes_on_device,
                                            kv_reserve_bytes(ctx)).slots
+        self.decode_cap = next_pow2(max(1, ctx.config.max_running_requests))  # bucket names as hybrid's
         self.decision, self.profile_path = self._decide()
         self.inner: ExpertBackend = self._build(self.decision.backend)
         self._start_trial()
@@ -59,8 +67,9 @@ class AutoBackend:
 
     def _start_trial(self) -> None:
         self.current = self.decision.backend
-        self.trial: dict[str, float] = {}  # backend -> median seconds per decode token
-        self._samples: list[float] = []
+        self.trial: dict[str, dict[str, float]] = {}  # backend -> bucket -> median seconds per decode token
+        self.bucket_verdict: dict[str, str] = {}  # bucket -> offload | hybrid (timed by both candidates)
+        self._samples: dict[str, list[float]] = {}  # bucket -> seconds per token of this trial
         self._skip = WARMUP_STEPS
         self.settled = False
 
@@ -70,6 +79,12 @@ class AutoBackend:
         still in flight on the device uses: the engine chains no decode steps (decode overlap) until then."""
         return not self.settled
 
+    def observe_prefill_step(self, seconds: float, tokens: int) -> None:
+        """A step with prompt tokens: hybrid's prefill bucket tunes on it (not part of the verdict)."""
+        inner_observe = getattr(self.inner, "observe_prefill_step", None)
+        if inner_observe is not None:
+            inner_observe(seconds, tokens)
+
     def observe_decode_step(self, seconds: float, tokens: int) -> bool:
         """One decode step's wall time for ``tokens`` sequences. True when the inner backend was rebuilt
         (the caller must re-capture its decode graphs)."""
@@ -78,30 +93,60 @@ class AutoBackend:
             inner_observe(seconds, tokens)
         if self.settled or tokens <= 0:
             return False
-        if getattr(self.inner, "settling", False):  # hybrid still searching its split: not its speed yet
+        buckets = getattr(self.inner, "buckets", None)
+        if buckets is not None and buckets.settling(tokens):  # hybrid still searching this bucket's split
             return False
         if self._skip > 0:
             self._skip -= 1
             return False
-        self._samples.append(seconds / tokens)
-        if len(self._samples) < TRIAL_STEPS:
+        bucket = bucket_name(tokens, self.decode_cap)
+        self._samples.setdefault(bucket, []).append(seconds / tokens)
+        if sum(map(len, self._samples.values())) < TRIAL_STEPS:
             return False
-        self.trial[self.current] = sorted(self._samples)[len(self._samples) // 2]
-        self._samples, self._skip = [], WARMUP_STEPS
+        self.trial[self.current] = {b: sorted(v)[len(v) // 2] for b, v in self._samples.items()
+                                    if len(v) >= MIN_BUCKET_STEPS}
+        self._samples, self._skip = {}, WARMUP_STEPS
         other = OTHER[self.current]
         if other not in self.trial:
             return self._switch(other, "timing the other candidate")
-        best = min(self.trial, key=self.trial.get)
+        best = self._verdict()
         self.settled = True
-        timings = ", ".join(f"{k} {v * 1e3:.2f} ms/token" for k, v in self.trial.items())
-        log.info("auto verdict: %s (%s; the profile predicted %s)", best, timings, self.decision.backend)
-        return self._switch(best, "verdict") if best != self.current else False
+        timings = "; ".join(f"{k}: " + ", ".join(f"T={b} {v * 1e3:.2f}" for b, v in sorted(t.items()))
+                            for k, t in self.trial.items())
+        log.info("auto verdict: %s, per bucket %s (ms/token %s; the profile predicted %s)", best,
+                 self.bucket_verdict or "none timed by both", timings, self.decision.backend)
+        if best != self.current:
+            return self._switch(best, "verdict")
+        self._apply_pins()
+        return False
+
+    def _verdict(self) -> str:
+        """Per bucket timed by both candidates the faster; hybrid when it wins any (else offload). No
+        bucket timed by both (the batch size moved between the trials): the profile's choice stays."""
+        off, hyb = self.trial.get(MoEBackend.OFFLOAD.value, {}), self.trial.get(MoEBackend.HYBRID.value, {})
+        self.bucket_verdict = {b: (MoEBackend.HYBRID.value if hyb[b] < off[b] else MoEBackend.OFFLOAD.value)
+                               for b in sorted(set(off) & set(hyb), key=lambda n: (n == "prefill", len(n), n))}
+        if not self.bucket_verdict:
+            return self.decision.backend
+        return (MoEBackend.HYBRID.value if MoEBackend.HYBRID.value in self.bucket_verdict.values()
+                else MoEBackend.OFFLOAD.value)
+
+    def _apply_pins(self) -> None:
+        """Hybrid after the verdict: the buckets offload won run the offload path (f = 1)."""
+        buckets = getattr(self.inner, "buckets", None)
+        if buckets is None:
+            return
+        for name, winner in self.bucket_verdict.items():
+            if name in buckets.by_name and winner == MoEBackend.OFFLOAD.value:
+                buckets.pin(name, 1.0)
 
     def _switch(self, kind: str, why: str) -> bool:
         log.info("auto: switching %s -> %s (%s)", self.current, kind, why)
         self._release_inner()
         self.inner = self._build(kind)
         self.current = kind
+        if self.settled:
+            self._apply_pins()
         return True
 
     def _decide(self):
@@ -134,7 +179,7 @@ class AutoBackend:
             self._release_inner()
             self.inner = self._build(self.decision.backend)
         elif isinstance(self.inner, HybridBackend) and self.inner.max_fetch < 0:
-            self.inner.controller = SplitController(self.inner.expert_bytes, **profile_prior(self.ctx))
+            self.inner.reset_split(profile_prior(self.ctx))
         self._start_trial()
         log.info("profile reloaded: %s -> %s%s", old, self.decision.backend, " (backend rebuilt)" if rebuilt else "")
         return {"auto": self._describe(), "rebuilt": rebuilt}
@@ -153,7 +198,17 @@ class AutoBackend:
         return {"chosen": d.backend, "running": self.current, "fetch_fraction": d.fetch_fraction,
                 "t_offload_s": d.t_offload_s, "t_hybrid_s": d.t_hybrid_s, "reason": d.reason,
                 "profile": str(self.profile_path) if self.profile_path else None,
-                "measured_s_per_token": dict(self.trial), "settled": self.settled}
+                "measured_s_per_token": {k: dict(v) for k, v in self.trial.items()},  # backend -> bucket -> s
+                "bucket_verdict": dict(self.bucket_verdict), "settled": self.settled,
+                "buckets": self._bucket_modes()}
+
+    def _bucket_modes(self) -> dict:
+        """Per bucket what runs now: offload, hybrid (a split) or cpu (every miss on the CPU), and its f."""
+        buckets = getattr(self.inner, "buckets", None)
+        if buckets is None:  # offload: every bucket fetches every miss
+            return {b: {"mode": MoEBackend.OFFLOAD.value, "fetch_fraction": 1.0} for b in self.bucket_verdict}
+        return {name: {"mode": s["mode"], "fetch_fraction": s["fetch_fraction"], "pinned": s["pinned"]}
+                for name, s in buckets.stats().items()}
 
     def stats(self) -> dict:
         return {**self.inner.stats(), "auto": self._describe()}

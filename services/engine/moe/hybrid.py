@@ -3,23 +3,29 @@ and the CPU executor, which reads the host banks in place. `cpu` is hybrid with 
 
 Legend: T tokens · A experts per token · E experts per layer · S slots · D hidden · L MoE layers.
 
-Decode data path per MoE layer (each (token, expert) route computed exactly once):
-    ensure_experts_hybrid  -> slot_ids [T, A] (hit / fetched, else -1), cpu_ids [T, A] (CPU, else -1)
+Data path per MoE layer of a step of T <= SPLIT_MAX_TOKENS tokens (decode at any batch, short prompt
+chunks; each (token, expert) route computed exactly once):
+    ensure_experts_hybrid  -> slot_ids [T, A] (hit / fetched, else -1), cpu_ids [T, A] (CPU, else -1),
+                              from the fraction of the step's bucket (split_buckets.py)
     CPU submit             -> hidden, cpu_ids, weights to pinned buffers on the stream; workers start
                               when the stream's flag lands (the host never waits on the GPU here)
     copy_missing           -> the F fetched experts host -> slots, meanwhile
     prefetch (optional)    -> wait for this layer's predicted experts, reserve slots for the next layer's;
                               their copy starts after the sync below (--moe-prefetch, moe/prefetch.py)
-    GPU expert GEMM        -> slot routes only (weights of CPU routes zeroed)
+    GPU expert GEMM        -> slot routes only, through moe_compute (resident.py: the kernel for T)
     sync                   -> wait for the CPU, copy its partial up, add
-Steps with more than DECODE_MAX_ROUTES routes (prefill) take the offload path: every miss fetched.
+The CPU executor reads each of its experts once for all the expert's tokens (routes grouped by expert).
+Steps above SPLIT_MAX_TOKENS tokens (long prompt chunks) take the offload path: every miss fetched.
 
-The split f comes from services/engine/moe/split.py in two stages. The cost model (SplitController) gets
-per step the copy time of the fetched experts, the CPU compute time and c_sync, and moves f so both sides
-finish together; at f = 1 (CPU cannot help) layers run as plain offload, with no CPU submit at all. After
-TUNE_AFTER_STEPS decode steps the tuner (SplitTuner) takes over: it times a grid of f and the model's f on
-the step time the engine reports (observe_decode_step) and searches around the fastest. Both paths share
-the host DRAM, so the rates the model equalises move with f (H200 host: docs/results/history.md runs 8-10).
+The split f is per bucket of tokens per step (1, 2, 4, ... up to the decode cap, then "prefill";
+services/engine/moe/split_buckets.py) and comes from services/engine/moe/split.py in two stages. The
+bucket's cost model (SplitController) gets per step the copy time of the fetched experts, the CPU
+compute time and c_sync, and moves f so both sides finish together; at f = 1 (CPU cannot help) layers
+run as plain offload (eager: no CPU submit at all; graph mode: an empty CPU job). After
+TUNE_AFTER_STEPS steps of the bucket its tuner (SplitTuner) takes over: it times a grid of f (0 = every
+miss on the CPU ... 1 = offload) and the model's f on the bucket's time per token (observe_decode_step,
+observe_prefill_step) and searches around the fastest. Both paths share the host DRAM, so the rates
+the model equalises move with f (H200 host: docs/results/history.md runs 8-10).
 `--moe-hybrid-max-fetch N >= 0` fixes the split instead: fetch at most N misses per layer.
 
 Two handoffs on CUDA:
@@ -48,13 +54,16 @@ from services.engine.moe.backends import BackendContext, register_backend
 from services.engine.moe.cpu_executor import CpuExecutor, default_num_threads
 from services.engine.moe.cpu_handoff import DeviceHandoff, GraphHandoff
 from services.engine.moe.offload import OffloadBackend
-from services.engine.moe.resident import GATHER_MAX_ROUTES, fp8_scales, moe_decode, moe_grouped
-from services.engine.moe.split import DEFAULT_FRACTION, Q16, SplitController, SplitTuner, fraction_to_q16
+from services.engine.moe.resident import fp8_scales, moe_compute
+from services.engine.moe.split import DEFAULT_FRACTION, Q16, SplitController
+from services.engine.moe.split_buckets import TUNE_AFTER_STEPS, SplitBuckets  # noqa: F401 (re-exported)
 
 log = get_logger("moe.hybrid")
 
-DECODE_MAX_ROUTES = GATHER_MAX_ROUTES  # T*A at or below: split path; above (prefill): offload path
-TUNE_AFTER_STEPS = 24  # decode steps of the cost model alone (it settles in a few) before the tuner starts
+# steps of up to this many tokens may split (the "prefill" bucket above the decode cap); longer prompt
+# chunks take the offload path: at 256 tokens x top-8 over 128 experts each expert has ~16 tokens, the
+# CPU's share is arithmetic, not a DRAM stream, and the handoff's pinned rows stay small (256 x D)
+SPLIT_MAX_TOKENS = 256
 
 
 def profile_prior(ctx: BackendContext) -> dict:
@@ -112,39 +121,56 @@ class HybridBackend:
         self.executor = CpuExecutor(ctx.banks, num_threads=num_threads, confine_others=ctx.device.type == "cuda")
         self.graph_mode = bool(graph_mode) and ctx.device.type == "cuda"
         self.cuda_graph_safe = self.graph_mode  # read by the runner: capture decode graphs or run eagerly
+        cap = ctx.config.moe_hybrid_max_fetch
+        if mode is MoEBackend.CPU:  # fixed: every miss on the CPU; rates still measured for stats
+            self.max_fetch, prior = 0, {"prior_fraction": 0.0, "gain": 0.0, "probe_every": 0}
+        elif cap >= 0:  # fixed cap: fetch min(M, cap), the rest on the CPU
+            self.max_fetch, prior = cap, {"prior_fraction": 1.0, "gain": 0.0, "probe_every": 0}
+        else:
+            self.max_fetch, prior = -1, profile_prior(ctx)
+            prior.setdefault("prior_fraction", getattr(ctx, "fetch_fraction", None))
+        self._prior = prior
+        # one split per bucket of tokens per step (split_buckets.py); graph mode: the fractions live in
+        # pinned host memory (the split kernel reads its bucket's through UVA), so a plain store between
+        # two replays changes them, and no CUDA call can land inside a capture
+        self._tunable = mode is MoEBackend.HYBRID and self.max_fetch < 0
+        self.buckets = SplitBuckets(self._make_controller, ctx.config.max_running_requests, SPLIT_MAX_TOKENS,
+                                    self._tunable, self.graph_mode, ctx.device)
         self.handoff = None
         if ctx.device.type == "cuda":
             D = ctx.banks.layers[0].tensors["down"].shape[1]  # [E, D, I]
             kind = GraphHandoff if self.graph_mode else DeviceHandoff
-            self.handoff = kind(self.executor, ctx.device, DECODE_MAX_ROUTES, D, ctx.top_k, ctx.dtype)
-        cap = ctx.config.moe_hybrid_max_fetch
-        if mode is MoEBackend.CPU:  # fixed: every miss on the CPU; rates still measured for stats
-            self.max_fetch = 0
-            self.controller = SplitController(self.expert_bytes, prior_fraction=0.0, gain=0.0, probe_every=0)
-        elif cap >= 0:  # fixed cap: fetch min(M, cap), the rest on the CPU
-            self.max_fetch = cap
-            self.controller = SplitController(self.expert_bytes, prior_fraction=1.0, gain=0.0, probe_every=0)
-        else:
-            self.max_fetch = -1
-            prior = profile_prior(ctx)
-            prior.setdefault("prior_fraction", getattr(ctx, "fetch_fraction", None))
-            self.controller = SplitController(self.expert_bytes, **prior)
-        # graph mode: the fraction lives in pinned host memory (the split kernel reads it through UVA), so
-        # a plain store between two replays changes it, and no CUDA call can land inside a capture
-        self.f_q16 = (torch.tensor([self.controller.f_q16], dtype=torch.int32).pin_memory() if self.graph_mode
-                      else torch.tensor([self.controller.f_q16], dtype=torch.int32, device=ctx.device))
-        self._step_q16 = self.controller.f_q16
+            self.handoff = kind(self.executor, ctx.device, self.buckets.max_tokens, D, ctx.top_k, ctx.dtype)
         self.count_routes = count_routes
         self.routes = {"gpu": 0, "cpu": 0}
         self.totals = {"cpu_jobs": 0, "cpu_experts": 0, "cpu_routes": 0, "split_steps": 0}
         self._step: dict | None = None
         self._events: dict[tuple[int, int], torch.cuda.Event] = {}
-        # after TUNE_AFTER_STEPS steps of the cost model alone, the tuner refines f on measured step time
-        self.tuner: SplitTuner | None = None
-        self._tunable = mode is MoEBackend.HYBRID and self.max_fetch < 0
-        self._decode_steps = 0
         self._graph_prev: tuple[dict, list[int]] | None = None
         self._calibrate_c_sync()
+
+    def _make_controller(self, bucket: str) -> SplitController:
+        """A bucket's cost model. The prefill bucket starts at f = 1 (the offload path, as before splits
+        reached prompt chunks) unless the split is fixed: its tuner then measures whether splitting pays."""
+        prior = dict(self._prior)
+        if bucket == "prefill" and self._tunable:
+            prior["prior_fraction"] = 1.0
+        controller = SplitController(self.expert_bytes, **prior)
+        controller.c_sync_s = getattr(self, "c_sync_calibrated", controller.c_sync_s)
+        return controller
+
+    @property
+    def controller(self) -> SplitController:
+        """The cost model of the last observed step's bucket (the stats' headline)."""
+        return self.buckets.states[self.buckets.last].controller
+
+    def reset_split(self, prior: dict) -> None:
+        """New priors for every bucket's cost model (a profile reload): tuners and pins dropped."""
+        self._prior = {**prior, "prior_fraction": prior.get("prior_fraction")}
+        for i, state in enumerate(self.buckets.states):
+            state.controller, state.tuner, state.steps = self._make_controller(state.name), None, 0
+            state.pinned = None
+            self.buckets.write(i)
 
     # ---- the per-layer data path -------------------------------------------------------------------
 
@@ -154,19 +180,20 @@ class HybridBackend:
         if self.graph_mode:  # a captured graph has one fixed structure: always the split path
             return self._forward_graph(moe_layer, hidden, topk_ids, topk_weights)
         if moe_layer == 0 or self._step is None:
-            self._begin_step()
-        split = topk_ids.numel() <= DECODE_MAX_ROUTES and not (self._step_q16 == Q16 and self.max_fetch < 0)
-        if not split:  # prefill, or the controller backed off to plain offload
-            if topk_ids.numel() <= DECODE_MAX_ROUTES:
-                self._step["offload_layers"] += 1  # a backed-off decode step still counts for probing
+            self._begin_step(topk_ids.shape[0])
+        step = self._step
+        bucket = step["bucket"]
+        split = bucket is not None and not (step["q16"] == Q16 and self.max_fetch < 0)
+        if not split:  # a long prompt chunk, or the bucket's split backed off to plain offload
+            if bucket is not None:
+                step["offload_layers"] += 1  # a backed-off step still counts for probing
             if self.count_routes:
                 self.routes["gpu"] += int((topk_ids >= 0).sum())
             return self.offload.forward(moe_layer, hidden, topk_ids, topk_weights)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"--moe-backend {self.mode.value}: the CPU handoff cannot be captured in a CUDA "
                                "graph; run decode eagerly with this backend")
-        step = self._step
-        slot_ids, cpu_ids = self._ensure(moe_layer, topk_ids)  # [T, A] each
+        slot_ids, cpu_ids = self._ensure(moe_layer, topk_ids, bucket)  # [T, A] each
         if self.handoff is not None:
             self.handoff.submit(moe_layer, hidden, cpu_ids, topk_weights)
         else:
@@ -178,14 +205,9 @@ class HybridBackend:
         prefetch = self._prefetch_reserve(moe_layer, hidden, topk_ids)
         # CPU routes have slot -1, which the GPU kernels skip (no weight masking needed: 3 launches saved)
         slots = self.cache.slot_banks  # gate_up [S, 2I, D], down [S, D, I] (+ fp8 scales)
-        if hidden.is_cuda:
-            part = moe_decode(hidden, slot_ids, topk_weights, slots["gate_up"], slots["down"], *self.expert_math,
-                              **fp8_scales(slots))  # [T, D]
-            cpu_part = self.handoff.sync()  # [T, D] fp32 on the device
-        else:
-            part = moe_grouped(hidden, slot_ids, topk_weights, slots["gate_up"], slots["down"], *self.expert_math,
-                               **fp8_scales(slots))
-            cpu_part = self.executor.wait()
+        part = moe_compute(hidden, slot_ids, topk_weights, slots["gate_up"], slots["down"], *self.expert_math,
+                           **fp8_scales(slots))  # [T, D]
+        cpu_part = self.handoff.sync() if hidden.is_cuda else self.executor.wait()  # [T, D] fp32
         ex = self.executor
         step["cpu_s"] += ex.last_compute_seconds
         step["cpu_experts"] += ex.last_experts
@@ -204,19 +226,21 @@ class HybridBackend:
 
     def _forward_graph(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor) -> torch.Tensor:
-        """The capturable path: no host sync, no Python decision that depends on data or time."""
-        if topk_ids.numel() > DECODE_MAX_ROUTES:  # prefill (never captured: eager, like its count)
+        """The capturable path: no host sync, no Python decision that depends on data or time (the bucket
+        depends on T alone, fixed per captured graph)."""
+        bucket = self.buckets.index(topk_ids.shape[0])
+        if bucket is None:  # a long prompt chunk (never captured: eager, like its count)
             if self.count_routes:
                 self.routes["gpu"] += int((topk_ids >= 0).sum())
             return self.offload.forward(layer, hidden, topk_ids, topk_weights)
-        slot_ids, cpu_ids = self._ensure(layer, topk_ids)  # [T, A] each
+        slot_ids, cpu_ids = self._ensure(layer, topk_ids, bucket)  # [T, A] each
         self.handoff.submit(layer, hidden, cpu_ids, topk_weights)
         self.cache.copy_missing(max_jobs=topk_ids.numel())
         prefetch = self._prefetch_reserve(layer, hidden, topk_ids)
         slots = self.cache.slot_banks  # CPU routes: slot -1, skipped
         state = self.cache.state
-        part = moe_decode(hidden, slot_ids, topk_weights, slots["gate_up"], slots["down"], *self.expert_math,
-                          **fp8_scales(slots))  # [T, D]
+        part = moe_compute(hidden, slot_ids, topk_weights, slots["gate_up"], slots["down"], *self.expert_math,
+                           **fp8_scales(slots))  # [T, D]
         out = self.handoff.sync_add(layer, part, cache_counters=(state.misses, state.fetched))
         if prefetch is not None:
             prefetch.copy_ahead()  # the CPU's part is in: the copy takes the host DRAM while the CPU is idle
@@ -236,44 +260,38 @@ class HybridBackend:
         return prefetch
 
     def observe_decode_step(self, seconds: float, tokens: int) -> bool:
-        """Called by the engine after each decode step (model thread, between steps). Graph mode feeds the
-        cost model here (replays run no Python per layer); both modes then let the tuner move f on the step
-        time. Host memory only in graph mode (the executor's totals, the pinned stamps and counters).
-        Never asks for a rebuild (returns False)."""
-        if tokens <= 0:
-            return False
-        self._decode_steps += 1
-        if self.graph_mode:
-            self._observe_graph_step()
-        if not self._tunable:
-            return False
-        if self.tuner is None:
-            if self._decode_steps >= TUNE_AFTER_STEPS:
-                self.tuner = SplitTuner(self.controller.fraction)
-                log.info("hybrid: cost model put f at %.3f; tuning it on measured step time", self.tuner.fraction)
-        else:
-            was = self.tuner.phase
-            self.tuner.observe(seconds / tokens)
-            if self.tuner.phase == "rest" and was != "rest":
-                t = self.tuner
-                scan = ", ".join(f"{f:.2f}: {c * 1e3:.1f}" for f, c in sorted(t.scanned.items()))
-                log.info("hybrid: split settled at f=%.3f (%.2f ms/step; cost model said %.3f); scan ms/step %s",
-                         t.fraction, t.cost * 1e3, self.controller.fraction, scan)
-        if self.tuner is not None:
-            self._set_q16(fraction_to_q16(self.tuner.current))
-        elif self.graph_mode:
-            self._set_q16(self.controller.f_q16)
+        """Called by the engine after each decode step of ``tokens`` sequences (model thread, between
+        steps). Graph mode feeds the bucket's cost model here (replays run no Python per layer); both
+        modes then let the bucket's tuner move its f on the time per token. Host memory only in graph
+        mode (the executor's totals, the pinned stamps and counters). Never asks for a rebuild."""
+        self._observe_step(seconds, tokens)
         return False
+
+    def observe_prefill_step(self, seconds: float, tokens: int) -> None:
+        """As observe_decode_step for a step with prompt tokens (``tokens``: all the step's tokens): the
+        prefill bucket's tuner decides whether its chunks split or take the offload path."""
+        self._observe_step(seconds, tokens)
+
+    def _observe_step(self, seconds: float, tokens: int) -> None:
+        bucket = self.buckets.index(tokens) if tokens > 0 else None
+        if bucket is None:  # nothing ran or a long prompt chunk (offload path, not tuned)
+            self._graph_prev = None if self.graph_mode else self._graph_prev
+            return
+        if self.graph_mode:
+            self._observe_graph_step(bucket)
+        line = self.buckets.observe(bucket, seconds, tokens)
+        if line:
+            log.info("hybrid: %s", line)
 
     @property
     def settling(self) -> bool:
-        """True while the split is still being searched (auto waits for the end before timing hybrid)."""
-        return self._tunable and (self.tuner is None or self.tuner.phase != "rest")
+        """True while the split of the last observed step's bucket is still being searched."""
+        return self.buckets.states[self.buckets.last].settling
 
-    def _observe_graph_step(self) -> None:
-        """Graph mode: one step's totals for the cost model: CPU jobs from the executor, the cache's
-        miss/fetch counters and the GPU side's per-layer time (%globaltimer stamps), all mirrored to pinned
-        memory by the kernels (a CUDA call here could land inside a capture)."""
+    def _observe_graph_step(self, bucket: int) -> None:
+        """Graph mode: one step's totals for its bucket's cost model: CPU jobs from the executor, the
+        cache's miss/fetch counters and the GPU side's per-layer time (%globaltimer stamps), all mirrored
+        to pinned memory by the kernels (a CUDA call here could land inside a capture)."""
         poll = self.handoff.poll_stats()
         counts = self.handoff.counters.sum(dim=0).tolist()  # [2]: misses, fetched (cumulative)
         if poll["error"]:
@@ -284,18 +302,11 @@ class HybridBackend:
         prev_poll, prev_counts = prev
         jobs = poll["jobs"] - prev_poll["jobs"]
         gpu_side = [enter - sig for sig, enter, _ in self.handoff.stamps.tolist() if sig and enter > sig]
-        self.controller.observe(layers=jobs, misses=counts[0] - prev_counts[0], fetched=counts[1] - prev_counts[1],
-                                fetch_s=jobs * statistics.fmean(gpu_side) * 1e-9 if gpu_side else 0.0,
-                                cpu_experts=poll["experts"] - prev_poll["experts"],
-                                cpu_s=poll["compute_s"] - prev_poll["compute_s"])
+        self.buckets.states[bucket].controller.observe(
+            layers=jobs, misses=counts[0] - prev_counts[0], fetched=counts[1] - prev_counts[1],
+            fetch_s=jobs * statistics.fmean(gpu_side) * 1e-9 if gpu_side else 0.0,
+            cpu_experts=poll["experts"] - prev_poll["experts"], cpu_s=poll["compute_s"] - prev_poll["compute_s"])
         self.totals["split_steps"] += 1
-
-    def _set_q16(self, q16: int) -> None:
-        """The fraction the next step's split kernels read (graph mode: a plain store into pinned memory)."""
-        if q16 != self._step_q16:
-            self._step_q16 = q16
-            if self.graph_mode:
-                self.f_q16[0] = q16
 
     def close(self) -> None:
         """Stop the CPU side (graph-mode poller, workers)."""
@@ -303,12 +314,12 @@ class HybridBackend:
             self.handoff.close()
         self.executor.close()
 
-    def _ensure(self, layer: int, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _ensure(self, layer: int, topk_ids: torch.Tensor, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cache.use_triton:
             from kernels.ensure_experts_hybrid import ensure_experts_hybrid as ensure
         else:
             from kernels.ensure_experts_hybrid import ensure_experts_hybrid_reference as ensure
-        return ensure(self.cache.state, layer, topk_ids, self.f_q16, self.max_fetch, lfu=self.cache.lfu,
+        return ensure(self.cache.state, layer, topk_ids, self.buckets.f_view(bucket), self.max_fetch, lfu=self.cache.lfu,
                       use_cap=self.cache.use_cap)
 
     def _mark(self, layer: int, which: int):
@@ -328,14 +339,15 @@ class HybridBackend:
         s = self.cache.state
         return torch.stack([s.misses.sum(), s.fetched.sum()])  # [2] int64 on the device
 
-    def _begin_step(self) -> None:
-        """Close the previous step (feed the controller) and open a new one."""
+    def _begin_step(self, tokens: int) -> None:
+        """Close the previous step (feed its bucket's controller) and open a new one of ``tokens`` tokens."""
         prev = self._step
         if prev is not None and (prev["fetch_marks"] or prev["offload_layers"]):
             self._finish(prev)
-        self._step_q16 = fraction_to_q16(self.tuner.current) if self.tuner is not None else self.controller.f_q16
-        self.f_q16.fill_(self._step_q16)
-        self._step = {"fetch_marks": [], "offload_layers": 0, "cpu_s": 0.0, "cpu_experts": 0, "cpu_layers": 0,
+        bucket = self.buckets.index(tokens)
+        q16 = self.buckets.write(bucket) if bucket is not None else Q16
+        self._step = {"bucket": bucket, "q16": q16, "fetch_marks": [], "offload_layers": 0, "cpu_s": 0.0,
+                      "cpu_experts": 0, "cpu_layers": 0,
                       "counters": self._counters()}  # device snapshot, read when the step is closed
 
     def _finish(self, step: dict) -> None:
@@ -348,8 +360,9 @@ class HybridBackend:
         else:
             fetch_s = sum(b - a for a, b in marks)
         misses, fetched = (self._counters() - step["counters"]).tolist()
-        self.controller.observe(layers=len(marks) + step["offload_layers"], misses=misses, fetched=fetched,
-                                fetch_s=fetch_s, cpu_experts=step["cpu_experts"], cpu_s=step["cpu_s"])
+        self.buckets.states[step["bucket"]].controller.observe(
+            layers=len(marks) + step["offload_layers"], misses=misses, fetched=fetched, fetch_s=fetch_s,
+            cpu_experts=step["cpu_experts"], cpu_s=step["cpu_s"])
         self.totals["split_steps"] += 1
 
     def _calibrate_c_sync(self, reps: int = 20) -> None:
@@ -378,7 +391,8 @@ class HybridBackend:
                     self.executor.forward(0, hidden, ids, w)
                 times.append(time.perf_counter() - t0)
             self.c_sync_calibrated = statistics.median(times)
-        self.controller.c_sync_s = self.c_sync_calibrated
+        for state in self.buckets.states:
+            state.controller.c_sync_s = self.c_sync_calibrated
         self._routes_at_start = self.handoff.poll_stats()["routes"] if self.graph_mode else 0
 
     def _graph_round_trip(self, hidden: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, reps: int) -> float:
@@ -410,16 +424,19 @@ class HybridBackend:
     def stats(self) -> dict:
         cache = self.cache.stats()
         cache["cpu_computed"] = cache["misses"] - cache["fetched"]
-        split = self.controller.stats()
+        last = self.buckets.states[self.buckets.last]  # the headline: the last observed step's bucket
+        split = last.controller.stats()
         if self.graph_mode:  # the poller counts the jobs; Python never sees them
             poll = self.handoff.poll_stats()
             self.totals.update(cpu_jobs=poll["jobs"], cpu_experts=poll["experts"], cpu_routes=poll["routes"])
         return {
             "backend": self.mode.value,
             "cache": cache,
-            "split": {**split, "max_fetch": self.max_fetch, "f_q16": self._step_q16, "graph_mode": self.graph_mode,
-                      "tuner": self.tuner.stats() if self.tuner is not None else None,
-                      "c_sync_calibrated_seconds": self.c_sync_calibrated, "steps": self.totals["split_steps"]},
+            "split": {**split, "max_fetch": self.max_fetch, "f_q16": last.q16, "graph_mode": self.graph_mode,
+                      "bucket": last.name, "tuner": last.tuner.stats() if last.tuner is not None else None,
+                      "c_sync_calibrated_seconds": self.c_sync_calibrated, "steps": self.totals["split_steps"],
+                      "max_tokens": self.buckets.max_tokens},
+            "buckets": self.buckets.stats(),  # per bucket of tokens per step: mode, f, controller, tuner
             "prefetch": self.offload.prefetch.stats() if self.offload.prefetch is not None else None,
             "cpu_executor": {"isa": self.executor.isa, "threads": self.executor.num_threads,
                              "jobs": self.totals["cpu_jobs"], "experts_computed": self.totals["cpu_experts"],
@@ -427,7 +444,7 @@ class HybridBackend:
                              "worker_cpus": self.executor.worker_cpus,
                              "spare_cpus": sorted(self.executor.confined_to),  # where the other threads run
                              "worker_preemptions": self.executor.worker_preemptions()},
-            "fetch_fraction": self._step_q16 / Q16,  # in use (the tuner's once it runs; split: the cost model's)
+            "fetch_fraction": last.q16 / Q16,  # in use in that bucket (its tuner's once it runs, else its cost model's)
             "bandwidth_bytes_per_second": {"pcie": split["pcie_bytes_per_second"], "cpu": split["cpu_bytes_per_second"]},
             "c_sync_seconds": split["c_sync_seconds"],
         }

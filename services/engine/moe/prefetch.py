@@ -17,7 +17,7 @@ P bounds the PCIe bytes spent ahead, on the likeliest misses. How good the guess
 model: near-perfect on our synthetic models (their stream changes little from layer to layer), lower on
 trained checkpoints; the engine's stats count what was prefetched and the cache's hits show what it saved.
 
-Order per layer (decode: T*A <= DECODE_MAX_ROUTES; prefill never prefetches):
+Order per layer (decode-sized calls, T*A <= GATHER_MAX_ROUTES (resident.py); larger ones never prefetch):
     ensure(l), copy_missing(l)   main stream: this layer's own misses first
     wait(l)                      main waits for the prefetch of l that layer l-1 issued
     reserve(l, x_l)              main: predict, then reserve slots (ensure_experts on a view of the cache

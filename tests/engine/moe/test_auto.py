@@ -93,8 +93,9 @@ def test_online_verdict_keeps_the_measured_faster(faster, rebuilds, qwen3, tmp_p
         steps += 1
     assert backend.settled and backend.current == faster and seen_rebuilds == rebuilds and not backend.may_rebuild
     assert steps > auto.WARMUP_STEPS + 2 * auto.TRIAL_STEPS + hybrid.TUNE_AFTER_STEPS  # hybrid's search was waited for
-    measured = backend.stats()["auto"]["measured_s_per_token"]
-    assert measured[faster] == pytest.approx(0.001) and measured[auto.OTHER[faster]] == pytest.approx(0.005)
+    measured = backend.stats()["auto"]["measured_s_per_token"]  # backend -> bucket -> s/token
+    assert measured[faster]["2"] == pytest.approx(0.001) and measured[auto.OTHER[faster]]["2"] == pytest.approx(0.005)
+    assert backend.stats()["auto"]["bucket_verdict"] == {"2": faster}
     lm.model.set_backend(backend)
     assert greedy_generate(lm, PROMPT, NEW_TOKENS) == expected
     assert backend.observe_decode_step(1.0, tokens=1) is False  # settled: no more switching
