@@ -99,3 +99,74 @@ def test_online_verdict_keeps_the_measured_faster(faster, rebuilds, qwen3, tmp_p
     lm.model.set_backend(backend)
     assert greedy_generate(lm, PROMPT, NEW_TOKENS) == expected
     assert backend.observe_decode_step(1.0, tokens=1) is False  # settled: no more switching
+
+
+def test_verdict_per_bucket_keeps_hybrid_and_pins_offload_where_it_won(qwen3, tmp_path, monkeypatch):
+    """Injected step times: hybrid faster at 1 sequence, offload faster at 4. Hybrid is kept, its bucket 4
+    runs the offload path (f = 1, pinned) and bucket 1 keeps its tuned split; tokens stay right."""
+    lm, model_dir, expected = qwen3
+    monkeypatch.setenv("TANDEM_PROFILES_DIR", str(tmp_path))
+    monkeypatch.setattr(auto, "gpu_uuid", lambda device: GPU)
+    P.write_profile(fp32_profile(cpu_ov=200.0, pcie_ov=20.0), tmp_path)
+    backend = auto_backend_for(lm, model_dir)
+    per_token = {("hybrid", 1): 0.002, ("offload", 1): 0.010, ("hybrid", 4): 0.040, ("offload", 4): 0.008}
+    steps = 0
+    while not backend.settled and steps < 6000:
+        tokens = 1 if steps % 2 else 4
+        backend.observe_decode_step(per_token[(backend.current, tokens)] * tokens, tokens=tokens)
+        steps += 1
+    assert backend.settled and backend.current == "hybrid"
+    described = backend.stats()["auto"]
+    assert described["bucket_verdict"] == {"1": "hybrid", "4": "offload"}
+    assert described["measured_s_per_token"]["offload"] == {"1": pytest.approx(0.010), "4": pytest.approx(0.008)}
+    buckets = backend.inner.buckets
+    assert buckets.states[buckets.by_name["4"]].pinned == 1.0 and buckets.states[buckets.by_name["1"]].pinned is None
+    assert described["buckets"]["4"]["mode"] == "offload" and described["buckets"]["4"]["pinned"]
+    assert backend.stats()["buckets"]["4"]["fetch_fraction"] == 1.0  # what the split kernel reads for 4 sequences
+    assert int(buckets.f_view(buckets.by_name["4"])) == 1 << 16
+    lm.model.set_backend(backend)
+    assert greedy_generate(lm, PROMPT, NEW_TOKENS) == expected
+
+
+def test_engine_with_auto_serves_sixteen_and_shows_its_buckets(hf_checkpoints, tmp_path, monkeypatch):
+    """A real engine under `auto` (profile: hybrid) at 16 concurrent greedy requests: each equals
+    transformers alone, and /engine/v1/stats shows the per-bucket state."""
+    import asyncio
+
+    from services.engine.engine import Engine
+    from services.engine.runtime.sampler import SamplingParams
+    from tests.engine.runtime.test_batch_invariance import distinct_prompts
+    from tests.helpers import hf_greedy, model_thread_held
+
+    monkeypatch.setenv("TANDEM_PROFILES_DIR", str(tmp_path))
+    monkeypatch.setattr(auto, "gpu_uuid", lambda device: GPU)
+    P.write_profile(fp32_profile(cpu_ov=200.0, pcie_ov=20.0), tmp_path)
+    ckpt = hf_checkpoints["qwen3_moe"]
+    engine = Engine(EngineConfig(model=str(ckpt.dir), device="cpu", moe_backend="auto", max_running_requests=16,
+                                 max_waiting_requests=32, max_seq_len=64, moe_cache_rate=0.25))
+    engine.start()
+    try:
+        engine.wait_ready(120)
+        prompts = distinct_prompts(ckpt.hf.config.vocab_size, 16)
+
+        async def run():
+            async with model_thread_held(engine):
+                streams = [engine.submit(f"r{i}", p, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+                           for i, p in enumerate(prompts)]
+            outs = []
+            for stream in streams:
+                tokens = []
+                async for out in stream:
+                    tokens += out["token_ids"]
+                outs.append(tokens)
+            return outs, await engine.stats()
+
+        outputs, stats = asyncio.run(run())
+        for prompt, tokens in zip(prompts, outputs):
+            assert tokens == hf_greedy(ckpt.hf, prompt, 4)
+        experts = stats["experts"]
+        assert experts["backend"] == "hybrid" and experts["auto"]["running"] == "hybrid"
+        assert experts["buckets"]["16"]["steps"] >= 2 and "prefill" in experts["buckets"]
+        assert experts["auto"]["buckets"]["16"]["mode"] in ("hybrid", "offload", "cpu")
+    finally:
+        engine.shutdown()

@@ -110,6 +110,37 @@ def test_backed_off_runs_plain_offload(hf_checkpoints, loaded, resident_tokens):
     assert backend.controller.steps >= NEW_TOKENS - 2  # backed-off steps are still observed (for probing)
 
 
+@pytest.mark.parametrize("T", [16, 32])
+@pytest.mark.parametrize("mode", [MoEBackend.CPU, MoEBackend.HYBRID])
+def test_steps_past_eight_tokens_split_and_match_the_reference(T, mode, hf_checkpoints, loaded):
+    """T = 16, 32 tokens (T*A past the old 64-route limit) still split: GPU slots + CPU, each route once,
+    equal to the reference; the step lands in its own bucket."""
+    from services.engine.moe.reference import moe_reference
+
+    lm = loaded["qwen3_moe"]
+    cfg = EngineConfig(model=str(hf_checkpoints["qwen3_moe"].dir), moe_backend=mode.value, max_running_requests=32)
+    backend = HybridBackend(BackendContext(lm.banks, cfg, lm.device, lm.dtype, lm.spec.top_k, 0), mode,
+                            num_slots=lm.spec.top_k, count_routes=True)
+    try:
+        E, A, D = lm.spec.num_experts, lm.spec.top_k, lm.spec.hidden_size
+        g = torch.Generator().manual_seed(T)
+        for layer in range(len(lm.banks.layers)):
+            h = torch.randn(T, D, generator=g)
+            ids = torch.stack([torch.randperm(E, generator=g)[:A] for _ in range(T)])  # [T, A]
+            w = torch.rand(T, A, generator=g)
+            banks = lm.banks.layers[layer].tensors
+            want = moe_reference(h, ids, w, banks["gate_up"], banks["down"])
+            torch.testing.assert_close(backend.forward(layer, h, ids, w), want, atol=1e-5, rtol=1e-5)
+        assert backend.routes["gpu"] + backend.routes["cpu"] == T * A * len(lm.banks.layers)
+        assert backend.routes["cpu"] > 0 and (mode is MoEBackend.CPU or backend.routes["gpu"] > 0)
+        backend.observe_decode_step(0.01, T)
+        s = backend.stats()
+        assert s["buckets"][str(T)]["steps"] == 1 and s["split"]["bucket"] == str(T)
+        assert s["buckets"][str(T)]["mode"] == ("cpu" if mode is MoEBackend.CPU else "hybrid")
+    finally:
+        backend.close()
+
+
 @CPU_PLAYS_THE_DEVICE
 def test_triton_kernels_under_the_interpreter(hf_checkpoints, loaded, resident_tokens):
     lm = loaded["mixtral"]
@@ -199,6 +230,61 @@ def test_graph_mode_layer_captures_and_replays(hf_checkpoints):
             torch.cuda.synchronize()
             want = moe_reference(h.cpu(), ids.cpu(), w.cpu(), banks["gate_up"].float(), banks["down"].float())
             torch.testing.assert_close(out.cpu(), want, atol=2e-3, rtol=2e-3)  # TF32-level GEMM noise allowed
+        assert backend.handoff.poll_stats()["error"] == ""
+    finally:
+        backend.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [16, 32])
+def test_graph_mode_captures_the_split_at_many_tokens(T, hf_checkpoints):
+    """A hybrid layer of 16 / 32 tokens (past the old 64-route limit) captured in a CUDA graph splits
+    (CPU routes > 0) and equals the reference on every replay; its bucket's fraction, changed between
+    replays by a plain store, moves the split without a recapture."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from services.engine.moe.reference import moe_reference
+    from services.engine.moe.split import Q16
+
+    d = str(hf_checkpoints["qwen3_moe"].dir)
+    lm = load_model(EngineConfig(model=d, device="cuda"), attach_backend=False)
+    pin_banks(lm.banks)
+    cfg = EngineConfig(model=d, device="cuda", moe_backend="hybrid", max_running_requests=32)
+    backend = HybridBackend(BackendContext(lm.banks, cfg, lm.device, lm.dtype, lm.spec.top_k, 0), MoEBackend.HYBRID,
+                            num_slots=lm.spec.top_k, graph_mode=True)
+    E, A, D = lm.spec.num_experts, lm.spec.top_k, lm.spec.hidden_size
+    dev = torch.device("cuda")
+    h, ids, w = torch.zeros(T, D, device=dev), torch.zeros(T, A, dtype=torch.int64, device=dev), torch.zeros(T, A, device=dev)
+    g = torch.Generator().manual_seed(T)
+
+    def fill():
+        h.copy_(torch.randn(T, D, generator=g))
+        ids.copy_(torch.stack([torch.randperm(E, generator=g)[:A] for _ in range(T)]))
+        w.copy_(torch.rand(T, A, generator=g))
+
+    try:
+        fill()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            backend.forward(0, h, ids, w)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = backend.forward(0, h, ids, w)
+        banks = lm.banks.layers[0].tensors
+        bucket = backend.buckets.index(T)
+        routes = []
+        for q16 in (Q16 // 4, Q16 // 4, Q16, 0):  # the bucket's word, stored between replays
+            backend.buckets.f_q16[bucket] = q16
+            before = backend.handoff.poll_stats()["routes"]
+            fill()
+            graph.replay()
+            torch.cuda.synchronize()
+            routes.append(backend.handoff.poll_stats()["routes"] - before)
+            want = moe_reference(h.cpu(), ids.cpu(), w.cpu(), banks["gate_up"].float(), banks["down"].float())
+            torch.testing.assert_close(out.cpu(), want, atol=2e-3, rtol=2e-3)
+        assert routes[0] > 0 and routes[2] == 0 and routes[3] > routes[0]  # f = 1: offload; f = 0: all misses on the CPU
         assert backend.handoff.poll_stats()["error"] == ""
     finally:
         backend.close()
