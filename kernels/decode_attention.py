@@ -15,7 +15,12 @@ Why the split: at bs=1 one program per head is B*H = 32 programs for 132 SMs, ea
 context; on the H200 that was 68 us per layer at ~450 tokens, half the resident decode step
 (docs/results/history.md run 22). C is fixed by W, not by the position, so a captured graph fits every step.
 
-The reference is ``decode_attention_ref`` (SDPA over the gathered window); tests/kernels/test_decode_attention.py.
+Attention sinks (gpt-oss): a learned logit per query head joins every softmax and its share is dropped
+(transformers' eager_attention_forward: softmax over [scores, sink], the sink's column removed). Only the
+merge sees it: M = max(chunk maxima, sink), denominator += e^(sink - M); the chunks are untouched.
+
+The reference is ``decode_attention_ref`` (SDPA over the gathered window; with sinks an explicit softmax
+over the scores and the sink column); tests/kernels/test_decode_attention.py.
 """
 
 from __future__ import annotations
@@ -86,9 +91,10 @@ def _decode_attention_split_kernel(
 
 
 @triton.jit
-def _decode_attention_merge_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, Dh, C, s_ob, s_oh,
-                                   BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (b, h): the C partial states -> o[b, h] = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c."""
+def _decode_attention_merge_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, sink_ptr, Dh, C, s_ob, s_oh,
+                                   BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, SINK: tl.constexpr):
+    """Program (b, h): the C partial states -> o[b, h] = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c,
+    with SINK also + e^(sink[h] - M) in the denominator (and M = max(m_c, sink[h]))."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_c = tl.arange(0, BLOCK_C)
@@ -96,17 +102,24 @@ def _decode_attention_merge_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, Dh, C, s_ob, s_
     mask_c = offs_c < C
     base = (b * tl.num_programs(1) + h) * C
     m = tl.load(m_ptr + base + offs_c, mask=mask_c, other=float("-inf"))  # chunk 0 is always finite
-    w = tl.exp(m - tl.max(m, axis=0))  # [BLOCK_C], 0 for empty chunks
+    m_max = tl.max(m, axis=0)
+    if SINK:
+        sink = tl.load(sink_ptr + h).to(tl.float32)
+        m_max = tl.maximum(m_max, sink)
+    w = tl.exp(m - m_max)  # [BLOCK_C], 0 for empty chunks
     l_sum = tl.sum(w * tl.load(l_ptr + base + offs_c, mask=mask_c, other=0.0), axis=0)
+    if SINK:  # the sink's share of the softmax: in the denominator, no value
+        l_sum += tl.exp(sink - m_max)
     acc = tl.load(acc_ptr + (base + offs_c[:, None]) * Dh + offs_d[None, :],
                   mask=mask_c[:, None] & (offs_d[None, :] < Dh), other=0.0)  # [BLOCK_C, BLOCK_D]
     out = tl.sum(w[:, None] * acc, axis=0) / l_sum
     tl.store(o_ptr + b * s_ob + h * s_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=offs_d < Dh)
 
 
-def decode_attention_ref(q, k, v, k_cache, v_cache, slots, positions, window: int, W: int) -> torch.Tensor:
+def decode_attention_ref(q, k, v, k_cache, v_cache, slots, positions, window: int, W: int,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Pure torch (the model's own torch decode path): q [B, H, Dh] · k/v [B, K, Dh] · k/v_cache
-    [S, M, K, Dh] (written at [slots, positions]) · window (0 = none) · W -> o [B, H, Dh]."""
+    [S, M, K, Dh] (written at [slots, positions]) · window (0 = none) · W · sinks [H] or None -> o [B, H, Dh]."""
     B, H, Dh = q.shape
     K = k.shape[1]
     k_cache[slots, positions] = k
@@ -117,18 +130,26 @@ def decode_attention_ref(q, k, v, k_cache, v_cache, slots, positions, window: in
     allowed = key_pos <= q_pos
     if window:
         allowed &= key_pos > q_pos - window
-    o = F.scaled_dot_product_attention(q.reshape(B, K, H // K, Dh), ks, vs, attn_mask=allowed[:, None, None, :])
-    return o.reshape(B, H, Dh)
+    qg = q.reshape(B, K, H // K, Dh)
+    if sinks is None:
+        o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=allowed[:, None, None, :])
+        return o.reshape(B, H, Dh)
+    # as transformers' eager_attention_forward: softmax over [scores, sink] in fp32, the sink column dropped
+    scores = (qg.float() @ ks.float().transpose(-1, -2)) * Dh ** -0.5  # [B, K, G, W]
+    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    sink = sinks.float().view(1, K, H // K, 1).expand(B, -1, -1, -1)  # [B, K, G, 1]
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # [B, K, G, W]
+    return (probs @ vs.float()).reshape(B, H, Dh).to(q.dtype)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, window: int,
-                     W: int, chunk_keys: int | None = None) -> torch.Tensor:
+                     W: int, chunk_keys: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Two launches (chunks, merge): q [B, H, Dh] · k/v [B, K, Dh] (the new token's, last dims contiguous) · k/v_cache
     [S, M, K, Dh] · slots/positions [B] int64 on the device · window (0 = full attention) · W (keys
     beyond are never read) -> o [B, H, Dh] contiguous, q's dtype. Writes k/v at [slots, positions].
     Same contract as ``decode_attention_ref``. ``chunk_keys``: keys per program (a power of two; default
-    from W, at most MAX_CHUNKS chunks)."""
+    from W, at most MAX_CHUNKS chunks). ``sinks`` [H] (gpt-oss): one logit per query head in every softmax."""
     B, H, Dh = q.shape
     K = k.shape[1]
     if (k.shape != (B, K, Dh) or v.shape != (B, K, Dh) or k_cache.shape[2:] != (K, Dh)
@@ -138,6 +159,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                          f"positions {tuple(positions.shape)} do not fit [B, H, Dh], [B, K, Dh], [S, M, K, Dh], [B]")
     if any(t.stride(-1) != 1 for t in (q, k, v, k_cache, v_cache)):
         raise ValueError("decode_attention: q, k, v and the caches need a contiguous last dimension")
+    if sinks is not None and (sinks.shape != (H,) or sinks.stride(0) != 1):
+        raise ValueError(f"decode_attention: sinks {tuple(sinks.shape)} do not fit [H] = ({H},) (contiguous)")
     o = torch.empty((B, H, Dh), dtype=q.dtype, device=q.device)
     if B == 0:
         return o
@@ -154,6 +177,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         BLOCK_N=min(64, chunk), BLOCK_D=BLOCK_D, num_warps=4,
     )
-    _decode_attention_merge_kernel[(B, H)](m, l_sum, acc, o, Dh, C, o.stride(0), o.stride(1),
-                                           BLOCK_C=triton.next_power_of_2(C), BLOCK_D=BLOCK_D, num_warps=4)
+    _decode_attention_merge_kernel[(B, H)](m, l_sum, acc, o, sinks if sinks is not None else m, Dh, C,
+                                           o.stride(0), o.stride(1), BLOCK_C=triton.next_power_of_2(C),
+                                           BLOCK_D=BLOCK_D, SINK=sinks is not None, num_warps=4)
     return o

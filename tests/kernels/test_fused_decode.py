@@ -1,6 +1,8 @@
 """The whole model with its fused Triton ops (RMSNorm + residual, q/k norm + rope, router top-k, one-row GEMVs; under
 TRITON_INTERPRET here) against the torch path the parity tests check: prefill and decode logits, and
-the static decode step a CUDA-graph runner drives, on the tiny synthetic Qwen3-MoE (per-head q/k norm)."""
+the static decode step a CUDA-graph runner drives, on the tiny synthetic Qwen3-MoE (per-head q/k norm) and
+a tiny gpt-oss (attention sinks, a sliding window shorter than the prompt, q/k/v/o biases, expert biases
+and the clamped SwiGLU: on CUDA the Triton GEMV with the gpt-oss expert math, inside the graph too)."""
 
 from __future__ import annotations
 
@@ -9,11 +11,22 @@ import torch
 
 from services.engine.config import EngineConfig
 from services.engine.models import fused
+from services.engine.models import synthetic
 from services.engine.models.registry import load_model
 from services.engine.runtime.kv_cache import ForwardBatch, KVCache
 from tests.kernels.conftest import kernel_device
 
 PROMPT = [3, 17, 42, 5, 99, 64, 8]
+# gpt-oss at the tiny preset's width: layer 0 slides over 4 keys (the prompt is 7), layer 1 attends to all
+TINY_GPT_OSS = dict(synthetic.PRESETS["gpt-oss-20b"], num_hidden_layers=2, num_local_experts=8, hidden_size=64,
+                    intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    vocab_size=None, sliding_window=4)
+MODELS = ["synthetic:tiny", "synthetic:gpt-oss-tiny"]
+
+
+@pytest.fixture(autouse=True)
+def _tiny_gpt_oss(monkeypatch):
+    monkeypatch.setitem(synthetic.PRESETS, "gpt-oss-tiny", TINY_GPT_OSS)
 
 
 def _run(lm, force: bool, kv_len: int | None) -> list[torch.Tensor]:
@@ -33,9 +46,10 @@ def _run(lm, force: bool, kv_len: int | None) -> list[torch.Tensor]:
         fused.FORCE = old
 
 
+@pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("kv_len", [None, 32])
-def test_fused_ops_match_torch_path(kv_len):
-    lm = load_model(EngineConfig(model="synthetic:tiny", device=kernel_device().type))
+def test_fused_ops_match_torch_path(kv_len, model):
+    lm = load_model(EngineConfig(model=model, device=kernel_device().type))
     fused._broken.clear()
     got = _run(lm, True, kv_len)
     assert not fused._broken, f"fused kernels fell back to torch: {fused._broken}"
@@ -46,11 +60,12 @@ def test_fused_ops_match_torch_path(kv_len):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_step_captured_in_cuda_graph(dtype):
+def test_decode_step_captured_in_cuda_graph(dtype, model):
     """The fused decode step (all Triton kernels, static inputs as the runner drives them) captured in a
     CUDA graph: replays give the logits of eager steps on an identical cache."""
-    lm = load_model(EngineConfig(model="synthetic:tiny", device="cuda", dtype=dtype))
+    lm = load_model(EngineConfig(model=model, device="cuda", dtype=dtype))
     dev, M = torch.device("cuda"), 32
     kv, kv_eager = (KVCache(lm.spec, 2, M, dev, lm.dtype) for _ in range(2))
     for cache in (kv, kv_eager):

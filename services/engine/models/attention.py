@@ -8,9 +8,9 @@ Two paths, same maths:
   ``[0, start + q)`` (SDPA, GQA inside SDPA);
 - decode steps (one token per sequence): batched, no Python-int-dependent shapes once ``kv_len`` is
   fixed, so a runner can capture it in a CUDA graph. On CUDA one Triton kernel writes the new K/V and
-  attends over the slot's cache in place (kernels/decode_attention.py); the torch path gathers the
-  window and runs SDPA with the G query heads sharing a kv head laid out as G "query rows" of that kv
-  head, so K/V are never repeated.
+  attends over the slot's cache in place (kernels/decode_attention.py; sliding windows and gpt-oss's
+  sinks included); the torch path gathers the window and runs SDPA with the G query heads sharing a kv
+  head laid out as G "query rows" of that kv head, so K/V are never repeated.
 
 A bs=1 decode step is launch-bound, so q/k/v are one matmul (``LinearGroup``) and q/k norm + rope one
 in-place kernel on CUDA (benchmarks/count_decode_ops.py counts the kernels per layer).
@@ -83,12 +83,10 @@ class Attention(nn.Module):
         if self.clip_qkv is not None:
             v = v.clamp(-self.clip_qkv, self.clip_qkv)
         k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]  # [S, M, K, Dh]
-        if batch.is_decode and self.sinks is not None:  # the Triton decode kernel has no sinks yet
-            o = self._decode(q, k, v, positions, batch, k_cache, v_cache, decode_bias)
-        elif batch.is_decode:  # on CUDA one kernel: KV write + attention over the slot's cache in place
+        if batch.is_decode:  # on CUDA one kernel: KV write + attention over the slot's cache in place
             W = batch.kv_len or (max(batch.start_pos) + 1)
             o = fused.call("decode_attention", "decode_attention", "decode_attention", q, k, v, k_cache, v_cache,
-                           batch.slot_tensor(q.device), positions, self.window or 0, W)  # [B, H, Dh]
+                           batch.slot_tensor(q.device), positions, self.window or 0, W, sinks=self.sinks)  # [B, H, Dh]
             if o is None:
                 o = self._decode(q, k, v, positions, batch, k_cache, v_cache, decode_bias)
         else:
