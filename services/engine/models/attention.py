@@ -30,6 +30,9 @@ from services.engine.models.spec import ModelSpec, QKNorm
 from services.engine.runtime.kv_cache import ForwardBatch, KVCache
 
 
+SINK_BIAS_ELEMENTS = 1 << 25  # prefill with sinks: most bias elements per SDPA call (64 MiB in bf16)
+
+
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
@@ -104,9 +107,7 @@ class Attention(nn.Module):
             ks = k_cache[slot, :end].transpose(0, 1)[None]  # [1, K, end, Dh]
             vs = v_cache[slot, :end].transpose(0, 1)[None]  # [1, K, end, Dh]
             if self.sinks is not None:
-                q_pos = torch.arange(start, end, device=q.device)
-                mask = self._mask(torch.arange(end, device=q.device)[None, :], q_pos[:, None])  # [n, end]
-                o = self._attend_with_sinks(qs, ks, vs, mask)
+                o = self._attend_with_sinks(qs, ks, vs, start)
             elif start == 0 and (self.window is None or end <= self.window):
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
             else:  # new tokens at positions [start, end) see keys [0, own position] (within the window)
@@ -117,17 +118,26 @@ class Attention(nn.Module):
             off += n
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-    def _attend_with_sinks(self, qs, ks, vs, mask) -> torch.Tensor:
-        """Prefill with sinks: qs [1, H, n, Dh] · ks/vs [1, K, W, Dh] · mask bool [n, W] -> [1, H, n, Dh].
-        The sink is key W: K = V = 0 (no value) and an additive bias of sinks[h], so the softmax is
-        transformers' softmax over [scores, sink] with the sink's share dropped."""
-        n, H = qs.shape[2], self.H
+    def _attend_with_sinks(self, qs, ks, vs, start: int) -> torch.Tensor:
+        """Prefill with sinks: qs [1, H, n, Dh] (positions [start, start + n)) · ks/vs [1, K, W, Dh] ->
+        [1, H, n, Dh]. The sink is key W: K = V = 0 (no value) and an additive bias of sinks[h], so the
+        softmax is transformers' softmax over [scores, sink] with the sink's share dropped. The bias is
+        per head ([H, rows, W + 1]), so the queries go in blocks of SINK_BIAS_ELEMENTS / (H (W + 1)) rows:
+        a whole 4096-token prompt of gpt-oss (64 heads) would need a 2 GiB bias."""
+        n, W, H = qs.shape[2], ks.shape[2], self.H
         zero = ks.new_zeros(ks.shape[:2] + (1, ks.shape[3]))  # [1, K, 1, Dh]
         ks, vs = torch.cat([ks, zero], dim=2), torch.cat([vs, zero], dim=2)  # [1, K, W + 1, Dh]
-        bias = torch.where(mask, 0.0, float("-inf")).to(qs.dtype)  # [n, W]
-        bias = torch.cat([bias[None].expand(H, n, -1), self.sinks.to(qs.dtype)[:, None, None].expand(H, n, 1)],
-                         dim=-1)  # [H, n, W + 1]
-        return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=bias[None], enable_gqa=True)
+        sink = self.sinks.to(qs.dtype)[:, None, None]  # [H, 1, 1]
+        rows = max(1, SINK_BIAS_ELEMENTS // (H * (W + 1)))
+        outs = []
+        for r0 in range(0, n, rows):
+            q_pos = torch.arange(start + r0, start + min(n, r0 + rows), device=qs.device)
+            mask = self._mask(torch.arange(W, device=qs.device)[None, :], q_pos[:, None])  # [r, W]
+            bias = torch.where(mask, 0.0, float("-inf")).to(qs.dtype)  # [r, W]
+            bias = torch.cat([bias[None].expand(H, -1, -1), sink.expand(H, len(q_pos), 1)], dim=-1)  # [H, r, W + 1]
+            outs.append(F.scaled_dot_product_attention(qs[:, :, r0:r0 + rows], ks, vs, attn_mask=bias[None],
+                                                       enable_gqa=True))
+        return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
 
     def _mask(self, key_pos: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
         """Boolean attend-mask (broadcast of key_pos [1, W] and q_pos [n, 1]): causal, and within the

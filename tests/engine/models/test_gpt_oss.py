@@ -184,3 +184,22 @@ def test_bfloat16_close_to_transformers(backend, hf_checkpoints):
         getattr(lm.backend, "close", lambda: None)()
     ref = hf_last_logits(c.hf, PROMPT)
     assert (ours - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("elements", [1, 200])
+def test_prefill_sinks_in_query_blocks_equal_transformers(elements, hf_checkpoints, monkeypatch):
+    """Prefill attention with sinks bounds its per-head bias by going through the queries in blocks
+    (attention.SINK_BIAS_ELEMENTS): one query row per SDPA call, and blocks of a few rows with a last
+    partial one, give transformers' logits."""
+    from services.engine.models import attention
+    from services.engine.models.registry import load_model
+    from services.engine.runtime.kv_cache import ForwardBatch, KVCache
+    from tests.helpers import hf_last_logits
+
+    monkeypatch.setattr(attention, "SINK_BIAS_ELEMENTS", elements)
+    c = hf_checkpoints["gpt_oss"]
+    lm = load_model(EngineConfig(model=str(c.dir)))
+    kv = KVCache(lm.spec, 1, 64, "cpu", torch.float32)
+    ours = lm.model(torch.tensor(PROMPT), torch.arange(len(PROMPT)), ForwardBatch.single(0, 0, len(PROMPT)), kv)[0]
+    ref = hf_last_logits(c.hf, PROMPT)
+    torch.testing.assert_close(ours, ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
