@@ -26,7 +26,7 @@ the reference is fp8.dequantize + moe_reference (tests/kernels/test_moe_gemv_fp8
 
 MXFP4 experts (gpt-oss's Hub format kept as is: uint8 banks, 32 e2m1 values per E8M0 scale): the kernels
 read the packed bytes (half a byte per weight: gpt-oss-120b's 4 routed experts of a layer are ~52 MB
-instead of ~200 MB of bf16) and decode them in registers without a lookup table (``_e2m1_dot``: a
+instead of ~200 MB of bf16) and decode them in registers without a lookup table (``_e2m1``: a
 nibble's bits placed in an fp16 give the value exactly, times 2**-14), sum each 32-value block's products,
 then multiply by the block's scale, built as an fp32 exponent field (exact). The even and odd weights of
 a byte meet x's even and odd elements, so nothing is interleaved. The reference is models/mxfp4.dequantize
@@ -55,20 +55,20 @@ PLAIN, FP8, MXFP4 = 0, 1, 2
 
 
 @triton.jit
-def _e2m1_dot(b, xe, xo):
-    """b uint8 [N, KB] (two e2m1 per byte: element 2j low nibble, 2j+1 high) · xe/xo fp32 [KB] (the even and
-    odd elements of x) -> [N, KB] fp32 products, each 2**-14 times the true one. A nibble s|e1e0|m is placed
-    in an fp16 as sign bit 15 and exponent/mantissa bits 11..9: fp16's value is then exactly e2m1 * 2**-14
-    (normal for e > 0, the subnormal m * 2**-15 for e = 0: 0.5 * 2**-14), so no lookup table is needed."""
+def _e2m1(b):
+    """b uint8 (two e2m1 per byte: element 2j low nibble, 2j+1 high) -> (low, high) fp32, each 2**-14 times
+    the value. A nibble s|e1e0|m is placed in an fp16 as sign bit 15 and exponent/mantissa bits 11..9: that
+    fp16 is exactly e2m1 * 2**-14 (normal for e > 0, the subnormal m * 2**-15 for e = 0: 0.5 * 2**-14), so
+    no lookup table is needed; fp16 -> fp32 is exact."""
     b = b.to(tl.uint16)
     lo = (((b & 0x07) << 9) | ((b & 0x08) << 12)).to(tl.float16, bitcast=True).to(tl.float32)
     hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo * xe[None, :] + hi * xo[None, :]
+    return lo, hi
 
 
 @triton.jit
 def _e8m0_scale(s):
-    """E8M0 exponents uint8 [...] -> 2**(s - 127) * 2**14 fp32 (the 2**14 that _e2m1_dot leaves out), made as
+    """E8M0 exponents uint8 [...] -> 2**(s - 127) * 2**14 fp32 (the 2**14 that _e2m1 leaves out), made as
     an fp32 exponent field, so exact: s + 14 fits the field up to s = 240 (2**113; real scales sit near 127)."""
     return (tl.minimum(s.to(tl.int32) + 14, 255) << 23).to(tl.float32, bitcast=True)
 
@@ -77,23 +77,25 @@ def _e8m0_scale(s):
 def _mx_row_dot(w_ptr, s_ptr, offs_r, mask_r, stride_wr, stride_sr, v_ptr, KB,
                 BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr):
     """sum over k of W[r, k] * v[k] for MXFP4 rows r = offs_r: W's packed bytes at w_ptr [rows, KB] and
-    its scales at s_ptr [rows, KB/16], v at v_ptr [2*KB] -> [BLOCK_R] fp32. Each 16-byte block's products
-    are summed first, then scaled once."""
-    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    its scales at s_ptr [rows, KB/16], v at v_ptr [2*KB] -> [BLOCK_R] fp32. Tiles are [rows, blocks, 16
+    bytes], so a thread holds whole 16-byte blocks (one vector load): each block's products are summed in
+    registers, scaled once, and kept per block; the only cross-thread sum is the last one."""
+    NBLK: tl.constexpr = BLOCK_KB // 16
+    acc = tl.zeros([BLOCK_R, NBLK], dtype=tl.float32)
+    offs_j = tl.arange(0, 16)
     for k0 in range(0, KB, BLOCK_KB):
-        offs_b = k0 + tl.arange(0, BLOCK_KB)  # [BLOCK_KB] byte columns
-        mask_b = offs_b < KB
-        ve = tl.load(v_ptr + 2 * offs_b, mask=mask_b, other=0.0).to(tl.float32)  # elements 2j
-        vo = tl.load(v_ptr + 2 * offs_b + 1, mask=mask_b, other=0.0).to(tl.float32)  # elements 2j + 1
-        b = tl.load(w_ptr + offs_r[:, None] * stride_wr + offs_b[None, :],
-                    mask=mask_r[:, None] & mask_b[None, :], other=0)
-        p = _e2m1_dot(b, ve, vo)  # [R, BLOCK_KB]
-        part = tl.sum(tl.reshape(p, [BLOCK_R, BLOCK_KB // 16, 16]), axis=2)  # [R, BLOCK_KB/16] per block
-        offs_s = k0 // 16 + tl.arange(0, BLOCK_KB // 16)
-        s = tl.load(s_ptr + offs_r[:, None] * stride_sr + offs_s[None, :],
-                    mask=mask_r[:, None] & (offs_s < KB // 16)[None, :], other=0)
-        acc += tl.sum(part * _e8m0_scale(s), axis=1)
-    return acc
+        offs_blk = k0 // 16 + tl.arange(0, NBLK)  # [NBLK] scale blocks (KB is a multiple of 16)
+        mask_blk = offs_blk < KB // 16
+        byte = offs_blk[:, None] * 16 + offs_j[None, :]  # [NBLK, 16] byte columns
+        ve = tl.load(v_ptr + 2 * byte, mask=mask_blk[:, None], other=0.0).to(tl.float32)  # elements 2j
+        vo = tl.load(v_ptr + 2 * byte + 1, mask=mask_blk[:, None], other=0.0).to(tl.float32)  # elements 2j + 1
+        m = mask_r[:, None] & mask_blk[None, :]  # [R, NBLK]
+        b = tl.load(w_ptr + offs_r[:, None, None] * stride_wr + byte[None, :, :], mask=m[:, :, None], other=0)
+        lo, hi = _e2m1(b)  # [R, NBLK, 16]
+        part = tl.sum(lo * ve[None, :, :] + hi * vo[None, :, :], axis=2)  # [R, NBLK]
+        s = tl.load(s_ptr + offs_r[:, None] * stride_sr + offs_blk[None, :], mask=m, other=0)
+        acc += part * _e8m0_scale(s)
+    return tl.sum(acc, axis=1)
 
 
 @triton.jit
