@@ -11,6 +11,9 @@ Docker's part is played by podman (tests/deploy/podman.py). What is substituted,
   engine on the GPU         -> TANDEM_DEVICE=cpu, float32, hybrid backend (the C++ CPU executor)
   redis, Prometheus         -> Debian's packages behind the same commands (tests/deploy/standins.Dockerfile)
   Grafana                   -> a static server of the mounted dashboards answering /api/health
+Two engines, as on a 2-GPU host (issue 25): scripts/compose_engines.py --cpu-engines 2 writes the override
+that adds engine-1 (each engine pinned to one of the machine's cores) behind the gateway, and Prometheus'
+targets labelled by engine; tests/deploy/compose.ci-engines.yml gives engine-1 compose.ci.yml's build args.
 The whole run must fit BUDGET_S; its build and run times and the image sizes are printed at the end.
 """
 
@@ -37,7 +40,11 @@ STANDINS = ("redis", "prometheus", "grafana")
 WHEELHOUSE = "build/wheelhouse-ci"  # compose.ci.yml's WHEELHOUSE build arg; .dockerignore lets it in
 API_KEY, ADMIN_TOKEN = "ci-key", "ci-admin"
 PROFILE_REQUEST = {"kind": "bw", "seconds": 0.2, "buffer_mib": 32}  # a quick CPU-only `tandem bench bw`
-SERVICES = {"redis", "engine", "worker", "gateway", "prometheus", "grafana"}
+ENGINES = ("engine", "engine-1")
+SERVICES = {"redis", *ENGINES, "worker", "gateway", "prometheus", "grafana"}
+ENGINES_OVERRIDE, ENGINES_TARGETS = "build/compose-ci/engines.yml", "build/compose-ci/targets.json"
+COMPOSE_FILES = ("docker-compose.yml", "tests/deploy/compose.ci.yml", ENGINES_OVERRIDE,
+                 "tests/deploy/compose.ci-engines.yml")
 
 
 class Stack:
@@ -59,7 +66,7 @@ class Stack:
         return result
 
     def compose(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        cmd = ["docker-compose", "-f", "docker-compose.yml", "-f", "tests/deploy/compose.ci.yml", *args]
+        cmd = ["docker-compose", *(arg for path in COMPOSE_FILES for arg in ("-f", path)), *args]
         result = subprocess.run(cmd, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=self.left())
         if check and result.returncode != 0:
             raise AssertionError(f"{' '.join(cmd)}: exit {result.returncode}\n{result.stdout[-3000:]}"
@@ -87,8 +94,18 @@ def wheelhouse(python: str) -> None:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
 
 
+def compose_engines() -> None:
+    """The two-engine override, as a user makes it (scripts/compose_engines.py)."""
+    result = subprocess.run([sys.executable, "scripts/compose_engines.py", "--cpu-engines", "2", "--output",
+                             ENGINES_OVERRIDE, "--targets", ENGINES_TARGETS], cwd=REPO, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    print(result.stdout, flush=True)
+
+
 def build_images(stack: Stack) -> None:
     podman = stack.podman
+    compose_engines()
     stack.timed("base image (debootstrap + import)", podman.debootstrap_image, BASE_IMAGE, "bookworm",
                 ["python3", "python3-venv"], "http://deb.debian.org/debian")
     python = podman.run("run", "--rm", BASE_IMAGE, "python3", "-c",
@@ -98,7 +115,7 @@ def build_images(stack: Stack) -> None:
         stack.timed(f"build {name} stand-in", podman.run, "build", "--format", "docker", "-q",
                     "-f", "tests/deploy/standins.Dockerfile", "--target", name, "--build-arg",
                     f"BASE_IMAGE={BASE_IMAGE}", "-t", stack.env[f"{name.upper()}_IMAGE"], ".")
-    for service in ("engine", "worker", "gateway"):  # worker after engine: their shared stage is cached
+    for service in (*ENGINES, "worker", "gateway"):  # engine-1 and worker after engine: its layers are cached
         stack.timed(f"build {service}", stack.compose, "build", service)
 
 
@@ -209,15 +226,48 @@ def test_profile_job_lands_in_the_shared_volume(stack):
 
 
 def test_prometheus_scrapes_every_service_by_its_compose_name(stack):
-    expected = {"engine": "engine:8001", "gateway": "gateway:8000", "worker": "worker:9101"}
+    """Both engines up, each labelled with its engine id (the gateway's) and device."""
+    expected = {("engine", "engine:8001", "0", "cpu"), ("engine", "engine-1:8001", "1", "cpu"),
+                ("gateway", "gateway:8000", None, None), ("worker", "worker:9101", None, None)}
     end_by = time.monotonic() + min(120, stack.left())
     while True:
         targets = httpx.get(stack.url("prometheus", "/api/v1/targets"), timeout=30).json()["data"]["activeTargets"]
-        up = {t["labels"]["job"]: t["labels"]["instance"] for t in targets if t["health"] == "up"}
+        up = {(t["labels"]["job"], t["labels"]["instance"], t["labels"].get("engine"), t["labels"].get("gpu"))
+              for t in targets if t["health"] == "up"}
         if up == expected:
             return
         assert time.monotonic() < end_by, f"Prometheus targets: {json.dumps(targets, indent=1)}"
         time.sleep(3)
+
+
+def engine_finished(stack: Stack, service: str) -> int:
+    """Requests ``service`` has finished, from its own stats (inside its container: engines publish no port)."""
+    return int(stack.exec(service, "python", "-c", "import json, urllib.request; print(json.load(urllib.request."
+                          "urlopen('http://127.0.0.1:8001/engine/v1/stats'))['requests_finished'])"))
+
+
+def test_requests_land_on_both_engines_behind_one_gateway(stack):
+    """Each engine runs on the cores its override's cpuset gives it; the gateway lists both healthy;
+    requests sent one at a time alternate between the two idle engines."""
+    import yaml
+
+    from services.common.topology import parse_cpulist
+
+    override = yaml.safe_load((REPO / ENGINES_OVERRIDE).read_text())
+    for service in ENGINES:
+        allowed = stack.exec(service, "python", "-c", "import os; print(*sorted(os.sched_getaffinity(0)))").split()
+        assert [int(c) for c in allowed] == parse_cpulist(str(override["services"][service]["cpuset"])), service
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    engines = httpx.get(stack.url("gateway", "/admin/engines"), headers=admin, timeout=30).json()["data"]
+    assert [(e["id"], e["url"], e["healthy"]) for e in engines] == [
+        ("0", "http://engine:8001", True), ("1", "http://engine-1:8001", True)]
+    before = [engine_finished(stack, s) for s in ENGINES]
+    body = {"model": engines[0]["model_id"], "prompt": "hi", "max_tokens": 2}
+    for _ in range(4):
+        resp = httpx.post(stack.url("gateway", "/v1/completions"), json=body, timeout=300,
+                          headers={"Authorization": f"Bearer {API_KEY}"})
+        assert resp.status_code == 200, resp.text
+    assert [engine_finished(stack, s) - b for s, b in zip(ENGINES, before)] == [2, 2]
 
 
 def test_grafana_stand_in_serves_the_mounted_dashboard(stack):

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+from services.common.topology import parse_cpulist
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
@@ -73,7 +76,8 @@ def test_docker_compose_config_with_env_example(tmp_path):
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("path", [COMPOSE, GPU_OVERRIDE, REPO / "tests/deploy/compose.ci.yml"], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [COMPOSE, GPU_OVERRIDE, REPO / "tests/deploy/compose.ci.yml",
+                                  REPO / "tests/deploy/compose.ci-engines.yml"], ids=lambda p: p.name)
 def test_dclint(path):
     result = run_dclint(path)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -144,3 +148,84 @@ def test_engine_flags_are_accepted_by_the_engine(services):
     for module in backends._BACKEND_MODULES:
         __import__(module)
     assert config.moe_backend in backends.BACKENDS, f"compose default backend {config.moe_backend.value} missing"
+
+
+# -- several engines: scripts/compose_engines.py (issue 25) -------------------------------------------
+def compose_engines(tmp_path: Path, *args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run the generator into ``tmp_path``; returns its result and `docker-compose config` of the
+    compose file with the override, as a dict (the effective services)."""
+    import os
+
+    out = tmp_path / "engines.yml"
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "compose_engines.py"), *args, "--output", str(out),
+                             "--targets", str(tmp_path / "targets.json")], capture_output=True, text=True,
+                            env=env, cwd=tmp_path, timeout=60)
+    if result.returncode != 0:
+        return result, {}
+    env = {k: v for k, v in (env or os.environ).items() if not k.startswith("COMPOSE_")}
+    config = subprocess.run(["docker-compose", "-f", str(COMPOSE), "-f", str(out), "config"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert config.returncode == 0, config.stderr
+    return result, yaml.safe_load(config.stdout)["services"]
+
+
+def test_compose_engines_cpu(tmp_path):
+    """--cpu-engines 2: two engines from one definition, each with its share of the cores, the gateway in
+    front of both (and waiting for both), Prometheus reading the targets file written beside it."""
+    import json
+    import os
+
+    result, services = compose_engines(tmp_path, "--cpu-engines", "2")
+    assert result.returncode == 0, result.stderr
+    assert set(services) == {"redis", "engine", "engine-1", "worker", "gateway", "prometheus", "grafana"}
+    base = yaml.safe_load(COMPOSE.read_text())["services"]["engine"]
+    for name in ("engine", "engine-1"):
+        engine = services[name]
+        assert engine["build"]["target"] == "engine" and engine["healthcheck"]["test"] == base["healthcheck"]["test"]
+        assert "deploy" not in engine
+    assert services["engine"]["command"] == services["engine-1"]["command"]
+    if len(os.sched_getaffinity(0)) > 1:
+        cpus = [parse_cpulist(str(services[n]["cpuset"])) for n in ("engine", "engine-1")]
+        assert not set(cpus[0]) & set(cpus[1]) and sorted(cpus[0] + cpus[1]) == sorted(os.sched_getaffinity(0))
+    gateway = services["gateway"]
+    assert gateway["environment"]["TANDEM_ENGINES"] == "http://engine:8001,http://engine-1:8001"
+    assert set(gateway["depends_on"]) == {"engine", "engine-1", "redis"}
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in services["prometheus"]["volumes"]}
+    assert Path(mounts["/etc/prometheus/targets.json"]) == tmp_path / "targets.json"
+    targets = json.loads((tmp_path / "targets.json").read_text())
+    engines = [g for g in targets if g["labels"]["job"] == "engine"]
+    assert [(g["targets"], g["labels"]) for g in engines] == [
+        (["engine:8001"], {"job": "engine", "engine": "0", "gpu": "cpu"}),
+        (["engine-1:8001"], {"job": "engine", "engine": "1", "gpu": "cpu"})]
+
+
+def test_compose_engines_one_per_gpu(tmp_path):
+    """On a (fake) 3-GPU host: --gpus 2,0 gives engine on GPU 2 and engine-1 on GPU 0 (each reserving its
+    UUID), the worker reserving both, Prometheus labelling each engine with its GPU's UUID."""
+    import json
+    import os
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "nvidia-smi"
+    fake.write_text("#!/bin/sh\nprintf '0, GPU-a0, 00000000:17:00.0, H200\\n1, GPU-a1, 00000000:3A:00.0, H200\\n"
+                    "2, GPU-a2, 00000000:9A:00.0, H200\\n'\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    result, services = compose_engines(tmp_path, "--gpus", "2,0", env=env)
+    assert result.returncode == 0, result.stderr
+
+    def reserved(name: str) -> list[str]:
+        (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        return device["device_ids"]
+
+    assert (reserved("engine"), reserved("engine-1"), reserved("worker")) == (["GPU-a2"], ["GPU-a0"],
+                                                                             ["GPU-a2", "GPU-a0"])
+    assert all(services[n].get("cpuset") for n in ("engine", "engine-1"))
+    labels = [g["labels"] for g in json.loads((tmp_path / "targets.json").read_text()) if g["labels"]["job"] == "engine"]
+    assert labels == [{"job": "engine", "engine": "0", "gpu": "GPU-a2"}, {"job": "engine", "engine": "1", "gpu": "GPU-a0"}]
+    bad, _ = compose_engines(tmp_path, "--gpus", "7", env=env)
+    assert bad.returncode == 2 and "no GPU '7'" in bad.stderr
+    none, _ = compose_engines(tmp_path, env={**os.environ, "PATH": str(tmp_path / "empty")})
+    assert none.returncode == 2 and "--cpu-engines" in none.stderr
