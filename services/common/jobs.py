@@ -39,6 +39,7 @@ KEY_PREFIX = "tandem:job:"
 RUNNING_PREFIX = "tandem:worker-running:"  # per worker hostname: the job ids it has started, not ended
 
 _WORD = r"^[A-Za-z0-9][A-Za-z0-9_.:?=,+-]*$"  # a preset or GPU id: no '/', no leading '-'
+ALL_GPUS = "all"  # BenchBwRequest.gpu: every GPU the worker sees, one profile each
 
 
 class BenchBwRequest(BaseModel):
@@ -49,7 +50,9 @@ class BenchBwRequest(BaseModel):
     dtype: list[Literal["bfloat16", "float32"]] = Field(["bfloat16"], min_length=1, max_length=2)
     model: str = Field("synthetic:qwen3-30b-a3b", max_length=128, pattern=_WORD,
                        description="geometry: a synthetic preset 'NAME' or 'synthetic:NAME[?layers=N]'")
-    gpu: str | None = Field(None, max_length=64, pattern=_WORD, description="GPU UUID or index")
+    gpu: str | None = Field(None, max_length=64, pattern=_WORD,
+                            description="GPU UUID or index; 'all': every GPU the worker sees, one profile per GPU "
+                            "UUID (one engine per GPU); unset: the first visible GPU")
     threshold: float = Field(DEFAULT_THRESHOLD, gt=0, le=100)
     seconds: float = Field(2.0, gt=0, le=60, description="wall time per measurement")
     buffer_mib: int = Field(1024, ge=1, le=65536)

@@ -26,11 +26,13 @@ from celery.exceptions import Ignore, SoftTimeLimitExceeded
 from celery.states import READY_STATES
 from pydantic import TypeAdapter, ValidationError
 
-from services.common.jobs import HEARTBEAT_S, MAX_ATTEMPTS, BenchBwRequest, BenchLoadRequest, JobRequest, JobStore
+from services.common.jobs import (ALL_GPUS, HEARTBEAT_S, MAX_ATTEMPTS, BenchBwRequest, BenchLoadRequest, JobRequest,
+                                  JobStore)
 from services.common.logging import get_logger
 from services.common.settings import env
 from services.profiler.app import BW_LIMIT_S, LOAD_LIMIT_S, app
 from services.profiler.bench_bw import PROGRESS_TAG, RESULT_TAG
+from services.profiler.metrics import nvml_gpu_uuids
 from services.profiler.recovery import WorkerLost
 
 log = get_logger("profiler.tasks")
@@ -157,14 +159,34 @@ class Job:
             self._progress_failed = True
 
 
+def gpus_to_profile(selector: str | None, list_gpus: Callable[[], list[str]] = nvml_gpu_uuids) -> list[str | None]:
+    """The ``--gpu`` of each `tandem bench bw` a job runs: ``"all"`` -> every GPU NVML lists (this worker's
+    GPUs: one per engine on a host running an engine per GPU), or [None] (the CPU-only profile) when it
+    lists none; anything else -> just that selector (None: the first visible GPU)."""
+    if selector != ALL_GPUS:
+        return [selector]
+    return list(list_gpus()) or [None]
+
+
 @app.task(name="tandem.bench_bw", bind=True, soft_time_limit=BW_LIMIT_S, time_limit=BW_LIMIT_S + 60)
 def bench_bw(self, *args, request: dict | None = None) -> dict:
-    """`tandem bench bw` for a ``BenchBwRequest``: the result has profile_path, gpu_uuid and a summary."""
+    """`tandem bench bw` for a ``BenchBwRequest``: the result has profile_path, gpu_uuid and a summary.
+    With ``gpu: "all"`` one benchmark per GPU, one after the other (two at once would share the host's
+    DRAM bandwidth and both measure less): {"profiles": [one such result per GPU], "gpu_uuids": [...]}.
+    A GPU that fails fails the job; the profiles of the GPUs measured before it are kept."""
     with Job(self, "bw", args, request) as job:
         req: BenchBwRequest = job.request
-        argv = [*req.cli_args(), f"--profiles-dir={job.profiles_dir}"]
-        out = run_cli(["bench", "bw"], argv, BW_LIMIT_S, job.progress, (job.profiles_dir,))
-    return {**out["result"], "command": out["command"], "output": out["output"]}
+        targets = gpus_to_profile(req.gpu)
+        results = []
+        for n, gpu in enumerate(targets, 1):
+            argv = [*req.model_copy(update={"gpu": gpu}).cli_args(), f"--profiles-dir={job.profiles_dir}"]
+            progress = job.progress if len(targets) == 1 else (
+                lambda meta, gpu=gpu, n=n: job.progress({**meta, "gpu": gpu, "gpu_number": n, "gpus": len(targets)}))
+            out = run_cli(["bench", "bw"], argv, BW_LIMIT_S, progress, (job.profiles_dir,))
+            results.append({**out["result"], "command": out["command"], "output": out["output"]})
+    if req.gpu != ALL_GPUS:
+        return results[0]
+    return {"profiles": results, "gpu_uuids": [r["gpu_uuid"] for r in results]}
 
 
 @app.task(name="tandem.bench_load", bind=True, soft_time_limit=LOAD_LIMIT_S, time_limit=LOAD_LIMIT_S + 60)

@@ -95,3 +95,23 @@ def test_bench_load_task(client, moe_checkpoint):
     assert all(row["status"] == "ok" for row in r.result["rows"])
     assert f"--bank-dir={profiles}/banks/ckpt" in r.result["command"]  # inside the profiles dir
     assert not (profiles / "banks" / "ckpt").exists()  # and removed after the run (no keep_bank)
+
+
+def test_gpus_to_profile():
+    from services.profiler.tasks import gpus_to_profile
+
+    assert gpus_to_profile("all", lambda: ["GPU-a", "GPU-b"]) == ["GPU-a", "GPU-b"]
+    assert gpus_to_profile("all", list) == [None]  # no GPU: the CPU-only profile
+    assert gpus_to_profile("GPU-b", lambda: ["GPU-a", "GPU-b"]) == ["GPU-b"]
+    assert gpus_to_profile(None, lambda: ["GPU-a"]) == [None]
+
+
+def test_bench_bw_all_gpus_returns_one_profile_per_gpu(client):
+    """{"gpu": "all"} on a host without a GPU: one benchmark, its CPU-only profile, in the list shape."""
+    send, _, profiles, queue = client
+    r = send(FAST.model_copy(update={"gpu": "all"}), queue)
+    _wait(r)
+    assert r.state == "SUCCESS", r.result
+    (one,) = r.result["profiles"]
+    assert r.result["gpu_uuids"] == [one["gpu_uuid"]] == [P.cpu_uuid()]
+    assert one["profile_path"] == str(profiles / P.profile_filename(one["gpu_uuid"]))
