@@ -1,7 +1,8 @@
 """`make run`'s process manager (services/local_stack.py) with real redis-server and Prometheus:
 a taken port is named, Ctrl-C stops every child, an engine killed with SIGKILL is restarted, a child
-dying past --max-restarts stops the stack. The full topology
-(engine, gateway, worker) runs in test_stack_e2e.py."""
+dying past --max-restarts stops the stack; `--engines N` runs N engines behind the gateway (two CPU
+engines here; one per GPU on a GPU host, the `gpu` test). The full topology (engine, gateway, worker)
+runs in test_stack_e2e.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-from tests.deploy.net import free_ports
+import pytest
+
+from tests.deploy.net import free_port_run, free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -159,7 +162,8 @@ def test_two_cpu_engines_behind_one_gateway(tmp_path):
 
     from services.common.topology import parse_cpulist
 
-    gateway_port, engine_port, _, prom_port = free_ports(4)  # engine_port + 1: the second engine
+    gateway_port, prom_port = free_ports(2)
+    engine_port = free_port_run(2, exclude=(gateway_port, prom_port))  # + 1: the second engine
     proc = start_stack(tmp_path, "--services", "engine,gateway,prometheus", "--engines", "2", "--model", "demo",
                        "--port", str(gateway_port), "--engine-port", str(engine_port), "--prometheus-port",
                        str(prom_port), "--scrape-interval", "1s", "--max-seq-len", "256")
@@ -205,7 +209,6 @@ def test_engine_placements_one_per_gpu(monkeypatch):
     """--device cuda --engines 0: one engine per visible GPU, each seeing only its GPU (by UUID, which
     CUDA_VISIBLE_DEVICES accepts and which survives renumbering) and labelled with it; a count over the
     GPUs, or several engines on one pinned device, is refused naming the problem."""
-    import pytest
 
     from services import local_stack
     from services.common.topology import Gpu
@@ -232,3 +235,50 @@ def test_stack_help_explains_engines():
     out = subprocess.run([sys.executable, "-m", "services.local_stack", "--help"], cwd=REPO, capture_output=True,
                          text=True, timeout=60).stdout
     assert "--engines ENGINES" in out and "one per visible GPU" in " ".join(out.split())
+
+
+@pytest.mark.gpu
+def test_one_engine_per_gpu_on_cuda(tmp_path):
+    """`tandem stack --device cuda --engines 0` on a GPU host: one engine per GPU, each one's process on
+    its own GPU (nvidia-smi's compute apps, read independently of the stack) and on CPUs of that GPU's
+    NUMA node (sysfs local_cpulist), all serving through the one gateway."""
+    import httpx
+    import torch
+
+    from services.common.topology import gpu_local_cpus, list_gpus, parse_cpulist
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    gpus = list_gpus()
+    assert gpus, "torch sees a GPU but nvidia-smi lists none"
+    gateway_port, = free_ports(1)
+    engine_port = free_port_run(len(gpus), exclude=(gateway_port,))
+    proc = start_stack(tmp_path, "--services", "engine,gateway", "--device", "cuda", "--engines", "0", "--model",
+                       "demo", "--port", str(gateway_port), "--engine-port", str(engine_port), "--max-seq-len", "256",
+                       "--moe-backend", "hybrid")
+    url = f"http://127.0.0.1:{gateway_port}/v1/completions"
+    try:
+        wait_for_line(proc, "stack ready", timeout=600)
+        for _ in range(2 * len(gpus)):
+            resp = httpx.post(url, json={"model": "tandem-demo", "prompt": "hi", "max_tokens": 2}, timeout=120)
+            assert resp.status_code == 200, resp.text
+        finished = [httpx.get(f"http://127.0.0.1:{engine_port + i}/engine/v1/stats", timeout=10).json()
+                    ["requests_finished"] for i in range(len(gpus))]
+        assert finished == [2] * len(gpus), finished
+        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
+                              capture_output=True, text=True, check=True, timeout=60).stdout
+        gpu_of_pid = {int(pid): uuid.strip() for pid, uuid in (line.split(",") for line in apps.splitlines() if line)}
+        engines = {}
+        for kid in children_of(proc.pid):
+            cmdline = Path(f"/proc/{kid}/cmdline").read_text().split("\0")
+            if "engine" in cmdline:
+                engines[int(cmdline[cmdline.index("--port") + 1]) - engine_port] = kid
+        assert sorted(engines) == list(range(len(gpus)))
+        for i, gpu in enumerate(gpus):
+            assert gpu_of_pid.get(engines[i]) == gpu.uuid, (i, gpu, gpu_of_pid)
+            allowed = parse_cpulist(_cpus_allowed(engines[i]))
+            local = gpu_local_cpus(gpu.bus_id)
+            if len(gpus) > 1 and local:
+                assert set(allowed) <= set(local), (gpu, allowed, local)
+    finally:
+        ensure_stopped(proc)
