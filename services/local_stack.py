@@ -78,6 +78,11 @@ class EnginePlacement:
     labels: dict[str, str]  # Prometheus target labels: engine (the gateway's engine id), gpu
 
 
+def engine_name(i: int) -> str:
+    """Engine i's service (and log file) name: the first keeps the single-engine stack's name."""
+    return "engine" if i == 0 else f"engine-{i}"
+
+
 def visible_gpus(environ: dict) -> list[Gpu]:
     """nvidia-smi's GPUs, narrowed to CUDA_VISIBLE_DEVICES (indices or UUIDs) when it is set."""
     gpus = list_gpus()
@@ -94,12 +99,11 @@ def engine_placements(config: StackConfig, environ: dict) -> list[EnginePlacemen
     n, device = config.engines, config.device
     if n < 0:
         raise ValueError(f"--engines must be 0 (one per GPU) or positive, got {n}")
-    names = ["engine"] + [f"engine-{i}" for i in range(1, max(n, 1))]
     if not device.startswith("cuda"):
         if n == 0:
             raise ValueError("--engines 0 means one engine per GPU: it needs --device cuda")
         cpusets = cpu_engine_cpusets(n) if n > 1 else [[]]
-        return [EnginePlacement(names[i], config.engine_port + i, cpusets[i], {}, {"engine": str(i), "gpu": "cpu"})
+        return [EnginePlacement(engine_name(i), config.engine_port + i, cpusets[i], {}, {"engine": str(i), "gpu": "cpu"})
                 for i in range(n)]
     gpus = visible_gpus(environ)
     if n == 1:
@@ -112,9 +116,8 @@ def engine_placements(config: StackConfig, environ: dict) -> list[EnginePlacemen
     n = n or len(gpus)
     if n > len(gpus):
         raise ValueError(f"--engines {n}: only {len(gpus)} GPU(s) visible ({', '.join(g.uuid for g in gpus)})")
-    names = ["engine"] + [f"engine-{i}" for i in range(1, n)]
     cpusets = engine_cpusets(gpus[:n])
-    return [EnginePlacement(names[i], config.engine_port + i, cpusets[i], {"CUDA_VISIBLE_DEVICES": g.uuid},
+    return [EnginePlacement(engine_name(i), config.engine_port + i, cpusets[i], {"CUDA_VISIBLE_DEVICES": g.uuid},
                             {"engine": str(i), "gpu": g.uuid}) for i, g in enumerate(gpus[:n])]
 
 
@@ -263,7 +266,7 @@ class Stack:
                                                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
         logfile.close()
         if engine is not None and not append:
-            log.info("%s: port %d, %s%s", service, engine.port, engine.labels.get("gpu", "cpu"),
+            log.info("%s: port %d, %s%s", service, engine.port, engine.labels.get("gpu", self.config.device),
                      f", CPUs {format_cpulist(engine.cpus)}" if engine.cpus else "")
 
     def restart_exited(self) -> None:

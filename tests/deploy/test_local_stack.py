@@ -245,11 +245,12 @@ def test_one_engine_per_gpu_on_cuda(tmp_path):
     import httpx
     import torch
 
-    from services.common.topology import gpu_local_cpus, list_gpus, parse_cpulist
+    from services.common.topology import gpu_local_cpus, parse_cpulist
+    from services.local_stack import visible_gpus
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    gpus = list_gpus()
+    gpus = visible_gpus(dict(os.environ))
     assert gpus, "torch sees a GPU but nvidia-smi lists none"
     gateway_port, = free_ports(1)
     engine_port = free_port_run(len(gpus), exclude=(gateway_port,))
@@ -277,8 +278,8 @@ def test_one_engine_per_gpu_on_cuda(tmp_path):
         for i, gpu in enumerate(gpus):
             assert gpu_of_pid.get(engines[i]) == gpu.uuid, (i, gpu, gpu_of_pid)
             allowed = parse_cpulist(_cpus_allowed(engines[i]))
-            local = gpu_local_cpus(gpu.bus_id)
-            if len(gpus) > 1 and local:
-                assert set(allowed) <= set(local), (gpu, allowed, local)
+            local = set(gpu_local_cpus(gpu.bus_id)) & os.sched_getaffinity(0)
+            if len(gpus) > 1 and local:  # else: not pinned (one engine), or sysfs gives no list here
+                assert set(allowed) <= local, (gpu, allowed, local)
     finally:
         ensure_stopped(proc)
