@@ -197,6 +197,12 @@ def test_compose_engines_cpu(tmp_path):
     assert [(g["targets"], g["labels"]) for g in engines] == [
         (["engine:8001"], {"job": "engine", "engine": "0", "gpu": "cpu"}),
         (["engine-1:8001"], {"job": "engine", "engine": "1", "gpu": "cpu"})]
+    unpinned = subprocess.run([sys.executable, str(REPO / "scripts" / "compose_engines.py"), "--cpu-engines", "2",
+                               "--no-pin", "--output", str(tmp_path / "unpinned.yml"), "--targets",
+                               str(tmp_path / "unpinned.json")], capture_output=True, text=True, timeout=60)
+    assert unpinned.returncode == 0, unpinned.stderr
+    written = yaml.safe_load((tmp_path / "unpinned.yml").read_text())["services"]
+    assert "engine-1" in written and not any("cpuset" in svc for svc in written.values())
 
 
 def test_compose_engines_one_per_gpu(tmp_path):
