@@ -1,0 +1,346 @@
+"""moe_gemm: the routed experts of a step with many routes (batched decode, prefill), each expert's weights
+read once per BLOCK_M routes instead of once per route.
+
+Dimension legend: T tokens · A experts per token · R = T*A routes · E experts (or cache slots) ·
+D hidden · I expert intermediate · M = NT*BLOCK_M padded rows · NT tiles.
+
+Why: the GEMV (kernels/moe_gemv.py) reads ``gate_up[e]`` / ``down[e]`` once per route. At 16 decode
+streams of Qwen3-30B-A3B (top-8 of 128) a layer has 128 routes over ~81 distinct experts: 128 x 9.4 MB
+read instead of 81 x 9.4 MB, and a 4 x 60-token prefill (1920 routes over <= 128 experts) reads 18 GB per
+layer instead of 1.2 GB. Here the routes are grouped by expert into tiles of BLOCK_M rows (the idea of
+vLLM's fused_moe); a program multiplies one tile by a BLOCK_N slice of its expert on the tensor cores.
+
+    align:  routes [M] (route index per padded row, R = padding) · tile_expert [NT] (-1 = unused tile)
+    act[m, :] = glu(x[tok(m)] @ gate_up[e]^T (+ bias))                     kernel 1, stored in x's dtype
+    y[r, :]   = w_r * (act[m(r)] @ down[e]^T (+ bias))                     kernel 2, fp32, by route
+    out[t, :] = sum over the A routes of t (skipped ones left out), cast   kernel 3
+
+Static shapes and no host sync (CUDA-graph capturable): the tile count is padded to its upper bound
+NT = ceil(R / BLOCK_M) + min(E, R) (each expert present wastes at most one partial tile); unused tiles
+exit at once. Routes with expert id -1 (computed elsewhere: the CPU in hybrid, another chunk in offload)
+get no row and contribute nothing.
+
+Weights: bf16/fp32 banks, or fp8_block (float8_e4m3fn + fp32 scale per 128x128 block, moe/fp8.py):
+BLOCK_K divides 128, so a k-step of a BLOCK_N slice meets one scale per row; the fp8 codes go through the
+tensor cores in x's dtype (exact: every e4m3 value is a bf16 value) and the partial product is scaled in
+fp32 before it is accumulated. ``_load_w`` is the one place that reads a weight tile: another format
+(MXFP4) adds a branch there. gpt-oss experts: per-expert biases and the clamped SwiGLU (moe/reference.py).
+
+Triton specializes int arguments on ==1 and %16: the sizes that change per step (R) are
+``do_not_specialize``, so one compile per (dtype, format, activation, config) serves every step size.
+The reference is ``services.engine.moe.reference.moe_reference``; ``moe_gemm_torch`` below is the same
+tile algorithm in torch (tests/kernels/test_moe_gemm.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+SCALE_BLOCK = 128  # fp8_block: the edge of a scale's block (fp8.BLOCK)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One launch configuration. ``block_k`` / ``block_k2`` divide 128 (one fp8 scale per k-step)."""
+
+    block_m: int  # routes per tile (>= 16: tl.dot's smallest M)
+    block_n: int  # kernel 1: rows of gate (and of up) per program
+    block_k: int  # kernel 1: D per k-step
+    block_n2: int  # kernel 2: output rows (of D) per program
+    block_k2: int  # kernel 2: I per k-step
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Launch configs: device key -> ((most routes per expert on average, R / E, config), ...), the first that fits.
+# Few routes per expert (decode): 16-row tiles and narrow N slices, so enough programs stream HBM (Qwen3-30B-A3B
+# at 4 streams: ~28 experts x 24 slices of gate_up). Many (long prefills): 64-row tiles reuse each weight tile
+# 4x more. A tuned device gets its own key (``device_key``); benchmarks/bench_moe_gemm.py --sweep prints the
+# best config per size to fill one in.
+CONFIGS: dict[str, tuple[tuple[float, GemmConfig], ...]] = {
+    "default": (
+        (4.0, GemmConfig(16, 32, 128, 64, 128, num_warps=4, num_stages=3)),
+        (24.0, GemmConfig(32, 64, 64, 64, 64, num_warps=4, num_stages=3)),
+        (float("inf"), GemmConfig(64, 128, 64, 128, 64, num_warps=8, num_stages=3)),
+    ),
+}
+
+
+def device_key(device: torch.device) -> str:
+    """'sm90' style key of a CUDA device ('cpu' for the interpreter)."""
+    if device.type != "cuda":
+        return "cpu"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+def pick_config(R: int, E: int, device: torch.device) -> GemmConfig:
+    """The table's config for R routes over E experts on ``device`` (the default table when untuned)."""
+    table = CONFIGS.get(device_key(device), CONFIGS["default"])
+    per_expert = R / max(E, 1)
+    return next(cfg for limit, cfg in table if per_expert <= limit)
+
+
+def all_configs(device: torch.device) -> list[GemmConfig]:
+    """Every config the table can pick on ``device`` (what a warm-up compiles)."""
+    return [cfg for _, cfg in CONFIGS.get(device_key(device), CONFIGS["default"])]
+
+
+def num_tiles(R: int, E: int, block_m: int) -> int:
+    """Upper bound of the tiles of R routes over E experts: full tiles plus one partial tile per expert."""
+    return triton.cdiv(R, block_m) + min(E, R)
+
+
+# -- alignment ----------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["R"])
+def _place_kernel(ids_ptr, first_row_ptr, routes_ptr, R, BLOCK_R: tl.constexpr):
+    """Program e writes the indices of expert e's routes, in route order, from row first_row[e] on."""
+    e = tl.program_id(0)
+    row = tl.load(first_row_ptr + e)
+    for r0 in range(0, R, BLOCK_R):
+        offs = r0 + tl.arange(0, BLOCK_R)
+        ids = tl.load(ids_ptr + offs, mask=offs < R, other=-1)
+        hit = (ids == e).to(tl.int32)
+        pos = row + tl.cumsum(hit, axis=0) - 1  # [BLOCK_R] rank among this block's hits
+        tl.store(routes_ptr + pos, offs, mask=hit > 0)
+        row += tl.sum(hit, axis=0)
+
+
+def align_routes(ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [R] int (-1 = skipped) -> (routes [NT*block_m] int32: the route of each padded row, R where the
+    row is padding; tile_expert [NT] int32: the expert of each tile, -1 past the used ones). On the device,
+    no host sync; NT = num_tiles(R, E, block_m)."""
+    R = ids.numel()
+    NT = num_tiles(R, E, block_m)
+    ids = ids.to(torch.int32).contiguous()
+    key = torch.where(ids < 0, E, ids).long()  # skipped routes counted in a bucket of their own
+    counts = torch.zeros(E + 1, dtype=torch.int32, device=ids.device).scatter_add_(
+        0, key, torch.ones_like(ids))[:E]  # [E]
+    tiles = (counts + block_m - 1) // block_m  # [E]
+    tile_end = torch.cumsum(tiles, 0, dtype=torch.int32)  # [E] inclusive
+    first_row = ((tile_end - tiles) * block_m).contiguous()  # [E]
+    routes = torch.full((NT * block_m,), R, dtype=torch.int32, device=ids.device)
+    _place_kernel[(E,)](ids, first_row, routes, R, BLOCK_R=256)
+    tile = torch.arange(NT, dtype=torch.int32, device=ids.device)
+    tile_expert = torch.searchsorted(tile_end, tile, right=True).to(torch.int32)  # [NT] in [0, E]
+    return routes, torch.where(tile_expert < E, tile_expert, -1).to(torch.int32)
+
+
+# -- expert kernels -----------------------------------------------------------------------------------------
+@triton.jit
+def _load_w(w_ptr, offs_n, offs_k, mask_n, mask_k, stride_wn, FP8: tl.constexpr, CDT: tl.constexpr):
+    """A [BK, BN] weight tile (rows offs_n of one expert, transposed for the dot) in the compute dtype. The
+    one place that decodes a weight format (fp8 codes are exact in bf16)."""
+    w = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :],
+                other=0.0)
+    if FP8:
+        w = w.to(tl.float32)
+    return w.to(CDT)
+
+
+@triton.jit
+def _load_s(s_ptr, offs_n, mask_n, s_row0, stride_sn, k0, SB: tl.constexpr):
+    """fp8: the block scale [BN] of rows offs_n at k-step k0 (BLOCK_K divides 128: one per row)."""
+    return tl.load(s_ptr + (s_row0 + offs_n // SB) * stride_sn + k0 // SB, mask=mask_n, other=0.0)
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b in fp32 (fp32 operands: no tf32 rounding)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit(do_not_specialize=["R"])
+def _gate_up_kernel(
+    x_ptr, routes_ptr, tiles_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
+    R, A, D, I, NB,  # NB = ceil(I/128): up's first scale row
+    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_act,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, IEEE: tl.constexpr,
+):
+    m = tl.program_id(0)
+    e = tl.load(tiles_ptr + m)
+    if e >= 0:
+        rows = m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] padded rows of this tile
+        route = tl.load(routes_ptr + rows)
+        valid = route < R
+        tok = tl.where(valid, route // A, 0)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] rows of gate (and of up)
+        mask_n = offs_n < I
+        w_base = w_ptr + e.to(tl.int64) * stride_we
+        s_base = s_ptr + e.to(tl.int64) * stride_se
+        CDT = x_ptr.dtype.element_ty
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < D
+            x = tl.load(x_ptr + tok[:, None] * stride_x + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
+                        other=0.0)  # [BM, BK]
+            g = _dot(x, _load_w(w_base, offs_n, offs_k, mask_n, mask_k, stride_wn, FP8, CDT), IEEE)
+            u = _dot(x, _load_w(w_base + I * stride_wn, offs_n, offs_k, mask_n, mask_k, stride_wn, FP8, CDT), IEEE)
+            if FP8:  # the block's partial products times their rows' scales (gate's grid, then up's from NB)
+                g *= _load_s(s_base, offs_n, mask_n, 0, stride_sn, k0, SB)[None, :]
+                u *= _load_s(s_base, offs_n, mask_n, NB, stride_sn, k0, SB)[None, :]
+            acc_g += g
+            acc_u += u
+        if HAS_BIAS:
+            b_base = b_ptr + e.to(tl.int64) * stride_be
+            acc_g += tl.load(b_base + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            acc_u += tl.load(b_base + I + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if CLAMPED:  # gpt-oss: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+            g = tl.minimum(acc_g, LIMIT)
+            u = tl.minimum(tl.maximum(acc_u, -LIMIT), LIMIT)
+            act = (u + 1.0) * (g / (1.0 + tl.exp(-ALPHA * g)))
+        else:  # silu(gate) * up
+            act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(act_ptr + rows[:, None] * stride_act + offs_n[None, :], act.to(CDT), mask=mask_n[None, :])
+
+
+@triton.jit(do_not_specialize=["R"])
+def _down_kernel(
+    act_ptr, routes_ptr, tiles_ptr, w_ptr, s_ptr, b_ptr, rw_ptr, y_ptr,
+    R, D, I,
+    stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_y,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+):
+    m = tl.program_id(0)
+    e = tl.load(tiles_ptr + m)
+    if e >= 0:
+        rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
+        route = tl.load(routes_ptr + rows)
+        valid = route < R
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output rows (of D)
+        mask_n = offs_n < D
+        w_base = w_ptr + e.to(tl.int64) * stride_we
+        s_base = s_ptr + e.to(tl.int64) * stride_se
+        CDT = act_ptr.dtype.element_ty
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < I
+            a = tl.load(act_ptr + rows[:, None] * stride_act + offs_k[None, :], mask=mask_k[None, :], other=0.0)
+            part = _dot(a, _load_w(w_base, offs_n, offs_k, mask_n, mask_k, stride_wn, FP8, CDT), IEEE)
+            if FP8:
+                part *= _load_s(s_base, offs_n, mask_n, 0, stride_sn, k0, SB)[None, :]
+            acc += part
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        rw = tl.load(rw_ptr + route, mask=valid, other=0.0).to(tl.float32)  # [BM] routing weights
+        safe = tl.where(valid, route, 0).to(tl.int64)
+        tl.store(y_ptr + safe[:, None] * stride_y + offs_n[None, :], acc * rw[:, None],
+                 mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, ids_ptr, out_ptr, A, D, stride_y, stride_out, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < D
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for a in range(0, A):  # in route order, like the reference; skipped routes have no row of y
+        e = tl.load(ids_ptr + t * A + a)
+        acc += tl.load(y_ptr + (t * A + a) * stride_y + offs, mask=mask & (e >= 0), other=0.0)
+    tl.store(out_ptr + t * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(hidden, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale, bias):
+    T, A = topk_ids.shape
+    E, two_i, D = gate_up.shape
+    I = two_i // 2
+    if hidden.shape != (T, D) or down.shape != (E, D, I) or topk_weights.shape != (T, A):
+        raise ValueError(f"moe_gemm: shapes hidden {tuple(hidden.shape)}, topk_ids {tuple(topk_ids.shape)}, "
+                         f"topk_weights {tuple(topk_weights.shape)}, gate_up {tuple(gate_up.shape)}, "
+                         f"down {tuple(down.shape)} do not match [T, D], [T, A], [T, A], [E, 2I, D], [E, D, I]")
+    if gate_up.stride(2) != 1 or down.stride(2) != 1:
+        raise ValueError("moe_gemm: gate_up and down need a contiguous last dimension")
+    nb, nd = triton.cdiv(I, SCALE_BLOCK), triton.cdiv(D, SCALE_BLOCK)
+    if gate_up_scale is not None and (down_scale is None or gate_up_scale.shape != (E, 2 * nb, nd)
+                                      or down_scale.shape != (E, nd, nb) or gate_up_scale.stride(2) != 1
+                                      or down_scale.stride(2) != 1):
+        raise ValueError(f"moe_gemm: fp8 scales gate_up_scale {tuple(gate_up_scale.shape)}, down_scale "
+                         f"{None if down_scale is None else tuple(down_scale.shape)} do not match "
+                         f"[E, 2*ceil(I/128), ceil(D/128)] = {(E, 2 * nb, nd)} and [E, ceil(D/128), ceil(I/128)]")
+    if bias is not None and (bias[0].shape != (E, two_i) or bias[1].shape != (E, D)):
+        raise ValueError(f"moe_gemm: biases {tuple(bias[0].shape)}, {tuple(bias[1].shape)} do not match "
+                         f"[E, 2I] = {(E, two_i)} and [E, D] = {(E, D)}")
+    return T, A, E, D, I, nb
+
+
+def moe_gemm(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+             gate_up: torch.Tensor, down: torch.Tensor, act=None, bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+             gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+             config: GemmConfig | None = None) -> torch.Tensor:
+    """hidden [T, D] · topk_ids [T, A] int (-1 = skip) · topk_weights [T, A] · gate_up [E, 2I, D] ·
+    down [E, D, I] · act: None (silu(gate) * up) or a ClampedSwiGLU · bias: (gate_up_bias [E, 2I],
+    down_bias [E, D]) or None · FP8 banks: gate_up_scale [E, 2*ceil(I/128), ceil(D/128)] and down_scale
+    [E, ceil(D/128), ceil(I/128)] fp32 · config: a GemmConfig, default from the table -> [T, D] in hidden's
+    dtype (fp32 accumulation). Same contract as moe_reference."""
+    T, A, E, D, I, nb = _check(hidden, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale, bias)
+    fp8 = gate_up_scale is not None
+    R = T * A
+    cfg = config or pick_config(R, E, hidden.device)
+    if fp8 and (SCALE_BLOCK % cfg.block_k or SCALE_BLOCK % cfg.block_k2):
+        raise ValueError(f"moe_gemm: fp8 needs block_k and block_k2 dividing {SCALE_BLOCK}, got {cfg}")
+    dev = hidden.device
+    hidden = hidden.contiguous()
+    ids = topk_ids.reshape(-1)
+    routes, tile_expert = align_routes(ids, E, cfg.block_m)
+    ids = ids.to(torch.int32).contiguous()
+    NT = tile_expert.numel()
+    gs, ds = (gate_up_scale, down_scale) if fp8 else (gate_up, down)  # not read unless FP8
+    bg, bd = bias if bias is not None else (gate_up, down)  # not read without biases
+    ieee = hidden.dtype == torch.float32
+    act_buf = torch.empty((NT * cfg.block_m, I), dtype=hidden.dtype, device=dev)  # [M, I] padded rows
+    y = torch.empty((R, D), dtype=torch.float32, device=dev)  # [R, D] by route (skipped rows not written)
+    _gate_up_kernel[(NT, triton.cdiv(I, cfg.block_n))](
+        hidden, routes, tile_expert, gate_up, gs, bg, act_buf,
+        R, A, D, I, nb,
+        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), gs.stride(0), gs.stride(1), bg.stride(0),
+        act_buf.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FP8=fp8, SB=SCALE_BLOCK,
+        HAS_BIAS=bias is not None, CLAMPED=act is not None, ALPHA=float(getattr(act, "alpha", 1.0)),
+        LIMIT=float(getattr(act, "limit", 0.0)), IEEE=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    weights = topk_weights.reshape(-1).contiguous()  # [R]
+    _down_kernel[(NT, triton.cdiv(D, cfg.block_n2))](
+        act_buf, routes, tile_expert, down, ds, bd, weights, y,
+        R, D, I,
+        act_buf.stride(0), down.stride(0), down.stride(1), ds.stride(0), ds.stride(1), bd.stride(0), y.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, FP8=fp8, SB=SCALE_BLOCK,
+        HAS_BIAS=bias is not None, IEEE=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    out = torch.empty((T, D), dtype=hidden.dtype, device=dev)  # [T, D]
+    _combine_kernel[(T, triton.cdiv(D, 256))](y, ids, out, A, D, y.stride(0), out.stride(0), BLOCK=256)
+    return out
+
+
+def moe_gemm_torch(hidden, topk_ids, topk_weights, gate_up, down, act=None, bias=None, gate_up_scale=None,
+                   down_scale=None, block_m: int = 16) -> torch.Tensor:
+    """The same tile algorithm in torch, from ``align_routes``'s output (the kernels' reference for the
+    alignment: every tile's rows multiplied by its expert, padding rows dropped). Host loops: tests only."""
+    from services.engine.moe.fp8 import dense_experts
+    from services.engine.moe.reference import expert_swiglu
+
+    T, A = topk_ids.shape
+    R = T * A
+    routes, tile_expert = align_routes(topk_ids.reshape(-1), gate_up.shape[0], block_m)
+    y = torch.zeros((R, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
+    for m, e in enumerate(tile_expert.tolist()):
+        if e < 0:
+            continue
+        r = routes[m * block_m:(m + 1) * block_m].long()
+        r = r[r < R]
+        gu, d = dense_experts(gate_up[e], down[e], None if gate_up_scale is None else gate_up_scale[e],
+                              None if down_scale is None else down_scale[e], torch.float32)
+        b_gu, b_d = (bias[0][e].float(), bias[1][e].float()) if bias is not None else (None, None)
+        out = expert_swiglu(hidden[r // A].float(), gu, d, act, b_gu, b_d)
+        y[r] = out * topk_weights.reshape(-1)[r, None].float()
+    return y.view(T, A, -1).sum(dim=1).to(hidden.dtype)
