@@ -4,7 +4,7 @@ ones; misses are fetched over PCIe and every routed expert is computed on the GP
 Legend: T tokens · A experts per token · E experts per layer · S slots · D hidden · C = min(E, S).
 
 Per MoE layer and chunk:  ensure (LRU, rewrite ids to slots) -> copy_missing (fused H2D) -> expert GEMMs
-straight from the slot banks, grouped per slot (the same two compute paths as `resident`, indexed by slot
+straight from the slot banks (`resident`'s moe_compute: the Triton GEMV or grouped GEMM on CUDA, indexed by slot
 instead of expert: no per-step copy of a whole bank). A step whose unique experts exceed the cache (a long
 prefill with S < E) runs ceil(min(E, T*A) / C) chunks; each route is computed in exactly one of them.
 With ``--moe-prefetch P`` a decode step also copies the next layer's predicted experts while this one
@@ -20,7 +20,7 @@ from services.engine.config import CachePolicy, MoEBackend
 from services.engine.moe.backends import BackendContext, register_backend
 from services.engine.moe.cache import ExpertCache
 from services.engine.moe.prefetch import NextLayerPrefetch, read_ahead_possible
-from services.engine.moe.resident import GATHER_MAX_ROUTES, fp8_scales, moe_compute, moe_gathered
+from services.engine.moe.resident import GATHER_MAX_ROUTES, fp8_scales, moe_compute, moe_decode
 from services.engine.moe.sizing import CacheGeometry, decide_cache_size
 
 log = get_logger("moe.offload")
@@ -56,6 +56,7 @@ class OffloadBackend:
         slots = self.cache.slot_banks
         self.bias = (slots["gate_up_bias"], slots["down_bias"]) if "gate_up_bias" in slots else None  # [S, 2I], [S, D]
         self.scales = fp8_scales(slots)  # fp8_block: the slots' block scales beside their fp8 weights
+        self.top_k = ctx.top_k
 
     def prefetching(self, topk_ids: torch.Tensor) -> NextLayerPrefetch | None:
         """The prefetcher when this step may use it: decode-sized (T*A <= GATHER_MAX_ROUTES) and slot-safe."""
@@ -66,8 +67,6 @@ class OffloadBackend:
                 topk_weights: torch.Tensor) -> torch.Tensor:
         """hidden [T, D] · topk_ids [T, A] int64 · topk_weights [T, A] -> [T, D]."""
         gate_up, down = self.cache.slot_banks["gate_up"], self.cache.slot_banks["down"]  # [S, 2I, D], [S, D, I]
-        gathered = hidden.is_cuda and topk_ids.numel() <= GATHER_MAX_ROUTES  # graph-capturable decode path
-        compute = moe_gathered if gathered else moe_compute  # prefill: GEMV kernels or the grouped loop
         prefetch = self.prefetching(topk_ids)  # decode: one chunk
         out = None
         for chunk in range(self.cache.num_chunks(topk_ids.numel())):
@@ -76,9 +75,18 @@ class OffloadBackend:
             if prefetch is not None:
                 prefetch.wait(moe_layer)  # this layer's prefetched experts have landed
                 prefetch.issue(moe_layer, hidden)  # the next layer's copy runs while this one computes
-            part = compute(hidden, slot_ids, topk_weights, gate_up, down, self.act, self.bias, **self.scales)  # [T, D]
+            # CUDA: the Triton GEMV / grouped GEMM from the slot banks (graph-capturable); CPU: the grouped loop
+            part = moe_compute(hidden, slot_ids, topk_weights, gate_up, down, self.act, self.bias,
+                               **self.scales)  # [T, D]
             out = part if out is None else out + part
         return out
+
+    def warm(self, hidden: torch.Tensor) -> int:
+        """Compile the expert kernels of every step size on the slot banks before serving (DecodeKernel.warm;
+        reads whatever the slots hold, writes nothing)."""
+        slots = self.cache.slot_banks
+        return moe_decode.warm(hidden, self.top_k, slots["gate_up"], slots["down"], self.act, self.bias,
+                               **self.scales)
 
     def stats(self) -> dict:
         prefetch = self.prefetch.stats() if self.prefetch is not None else None

@@ -3,22 +3,25 @@
 Legend: T tokens · A experts per token · R = T*A routes · E experts · D hidden · I intermediate.
 
 Ways to compute the routed experts, same maths as ``moe_reference`` (``moe_compute`` picks):
-- grouped (long prefills, and everything on the CPU): routes sorted by expert, one GEMM pair per expert
-  present; reads each present expert once. Needs the per-expert counts on the host (one sync), and
-  launches ~8 kernels per expert present: ~E x 8 launches per layer.
-- decode (small R on CUDA): no host sync and static shapes, so a decode step can be captured in a
-  CUDA graph. ``moe_decode`` uses the Triton GEMV kernels (kernels/moe_gemv.py: weights read in
-  place) and falls back to ``moe_gathered`` (torch: the R experts' weights gathered into [R, ...],
-  then two bmm — 3x the bytes, but still better than ~20 us launches per expert x 8 x 48 layers).
-- short prefills on CUDA (R <= PREFILL_GEMV_MAX_ROUTES): the same Triton GEMV, three launches per layer.
-  It reads an expert once per route instead of once per step, which at HBM speed costs less than the
-  grouped loop's launches up to a few thousand routes (Qwen3-30B-A3B: 9.4 MB per route, ~2.5 us at
-  ~4 TB/s, against ~1000 launches of the grouped loop per layer).
+- on CUDA, any size (``moe_decode``: no host sync, static shapes, so a decode step can be captured in a
+  CUDA graph; prefills take it too):
+  - R <= GEMV_MAX_ROUTES (a token or two): the Triton GEMV (kernels/moe_gemv.py), weights read in place
+    once per route. With this few routes an expert rarely meets two of them, and the GEMV's
+    one-program-per-route grid streams HBM best.
+  - beyond: the fused grouped GEMM (kernels/moe_gemm.py): routes sorted by expert on the device into
+    tiles of 16-64 rows, each expert's weights read once per tile on the tensor cores. Qwen3-30B-A3B at
+    16 decode streams: 128 routes over ~81 distinct experts, 0.76 GB read per layer instead of the
+    GEMV's 1.2 GB; a 4 x 60-token prefill (1920 routes) <= 1.2 GB instead of 18 GB.
+  - if Triton fails (import, compile, run): torch gather+bmm up to GATHER_MAX_ROUTES (the R experts'
+    weights gathered into [R, ...]: 3x the bytes, capturable) and the grouped loop beyond, logged once.
+- grouped (everything on the CPU): routes sorted by expert, one GEMM pair per expert present; reads each
+  present expert once. Needs the per-expert counts on the host (one sync), and launches ~8 kernels per
+  expert present: ~E x 8 launches per layer (why CUDA takes the kernels above).
 
 FP8 experts (the fp8_block format) come as ``gate_up_scale`` / ``down_scale`` keywords beside the fp8
 ``gate_up`` / ``down`` (``fp8_scales(banks)`` picks them out of a layer's or the cache's banks): they
-are dequantized per expert (grouped), per gathered route (gathered) or in the Triton kernel's
-registers (decode).
+are dequantized per expert (grouped), per gathered route (gathered) or in the Triton kernels' registers
+(GEMV, GEMM).
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ from services.engine.moe.reference import ClampedSwiGLU, expert_swiglu, glu
 
 log = get_logger("resident")
 
-GATHER_MAX_ROUTES = 64  # R at or below this takes the decode (graph-capturable) path on CUDA
-PREFILL_GEMV_MAX_ROUTES = 2048  # R at or below this (256 tokens at top-8) also takes the Triton GEMV on CUDA
+GEMV_MAX_ROUTES = 16  # R at or below: the Triton GEMV on CUDA (2 tokens at top-8); above: the grouped GEMM
+GATHER_MAX_ROUTES = 64  # R at or below: torch gather+bmm when Triton is unavailable; above: the grouped loop
 
 
 SCALE_BANKS = ("gate_up_scale", "down_scale")  # the fp8_block format's scale banks (banks.py)
@@ -104,49 +107,77 @@ def moe_gathered(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
 
 
 class DecodeKernel:
-    """The CUDA decode path: Triton GEMV (``kind="triton"``) or torch gather+bmm (``"torch"``).
-    The Triton module is imported on first use only (on CPU-only hosts kernel tests import it under
-    TRITON_INTERPRET); if it fails to import, compile or run, this logs why and uses torch from then on."""
+    """The CUDA path: Triton kernels (``kind="triton"``: the GEMV for a few routes, the grouped GEMM beyond)
+    or torch (``"torch"``: gather+bmm, the grouped loop for large R). The Triton modules are imported on
+    first use only (on CPU-only hosts kernel tests import them under TRITON_INTERPRET); if one fails to
+    import, compile or run, this logs why and uses torch from then on."""
 
     def __init__(self, kind: str = "triton") -> None:
         if kind not in ("triton", "torch"):
             raise ValueError(f"decode kernel must be 'triton' or 'torch', got {kind!r}")
         self.kind = kind
-        self._gemv = None
+        self._gemv = self._gemm = None
 
     def __call__(self, hidden, topk_ids, topk_weights, gate_up, down, act: ClampedSwiGLU | None = None,
                  bias: tuple[torch.Tensor, torch.Tensor] | None = None, gate_up_scale: torch.Tensor | None = None,
                  down_scale: torch.Tensor | None = None) -> torch.Tensor:
         scales = (gate_up_scale, down_scale)
-        # past decode sizes the torch fallback would gather R experts' weights (GBs): group instead
-        fallback = moe_gathered if topk_ids.numel() <= GATHER_MAX_ROUTES else moe_grouped
+        R = topk_ids.numel()
         if self.kind == "triton":
             try:
-                if self._gemv is None:
+                if self._gemm is None:
+                    from kernels.moe_gemm import moe_gemm
                     from kernels.moe_gemv import moe_gemv
 
-                    self._gemv = moe_gemv
-                return self._gemv(hidden, topk_ids, topk_weights, gate_up, down, *scales, act=act, bias=bias)
+                    self._gemv, self._gemm = moe_gemv, moe_gemm
+                # the GEMV for a few routes, and for MXFP4 banks (uint8) at any size: the GEMM has no MXFP4 yet
+                if R <= GEMV_MAX_ROUTES or gate_up.dtype == torch.uint8:
+                    return self._gemv(hidden, topk_ids, topk_weights, gate_up, down, *scales, act=act, bias=bias)
+                return self._gemm(hidden, topk_ids, topk_weights, gate_up, down, act, bias, *scales)
             except Exception as e:  # noqa: BLE001 - keep serving; stats() shows the kernel in use
                 if torch.cuda.is_current_stream_capturing():
                     raise
-                log.warning("Triton moe_gemv unavailable (%s: %s); decode uses torch gather+bmm", type(e).__name__, e)
+                log.warning("Triton MoE kernels unavailable (%s: %s); experts use torch gather+bmm / the grouped "
+                            "loop", type(e).__name__, e)
                 self.kind = "torch"
+        # past decode sizes gather+bmm would gather R experts' weights (GBs): group instead
+        fallback = moe_gathered if R <= GATHER_MAX_ROUTES else moe_grouped
         return fallback(hidden, topk_ids, topk_weights, gate_up, down, act, bias, *scales)
 
+    def warm(self, hidden: torch.Tensor, top_k: int, gate_up: torch.Tensor, down: torch.Tensor,
+             act: ClampedSwiGLU | None = None, bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+             **scales: torch.Tensor) -> int:
+        """Compile every Triton specialization a step can meet on these banks (the GEMV, the GEMM with each
+        launch config of its table, the alignment): one small call each, so no JIT compile lands on the
+        request path. ``hidden`` [>=1, D]: a row of the model's dtype. Returns the calls made (0 on torch)."""
+        if self.kind != "triton" or not hidden.is_cuda:
+            return 0
+        from kernels.moe_gemm import all_configs
 
-moe_decode = DecodeKernel()  # shared by backends that compute experts on the GPU (resident, offload)
+        E = gate_up.shape[0]
+        x = hidden[:1].expand(2, -1).contiguous()  # [2, D]
+        ids = (torch.arange(2 * top_k, device=hidden.device) % E).view(2, top_k)  # [2, A]
+        w = torch.full((2, top_k), 1.0 / top_k, device=hidden.device)
+        self(x[:1], ids[:1], w[:1], gate_up, down, act, bias, **scales)  # the GEMV
+        calls = 1
+        for cfg in all_configs(hidden.device) if gate_up.dtype != torch.uint8 else ():  # MXFP4: GEMV only
+            if self.kind != "triton":
+                break
+            self._gemm(x, ids, w, gate_up, down, act, bias, *(scales.get(n) for n in SCALE_BANKS), config=cfg)
+            calls += 1
+        return calls
+
+
+moe_decode = DecodeKernel()  # shared by backends that compute experts on the GPU (resident, offload, hybrid)
 
 
 def moe_compute(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
                 down: torch.Tensor, act: ClampedSwiGLU | None = None,
                 bias: tuple[torch.Tensor, torch.Tensor] | None = None, gate_up_scale: torch.Tensor | None = None,
                 down_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The routed experts of a step by the cheapest way for its size (module docstring): the GEMV kernels on
-    CUDA up to PREFILL_GEMV_MAX_ROUTES routes, the grouped loop beyond and on the CPU. ``act`` / ``bias``:
-    gpt-oss experts (every path has them)."""
-    R = topk_ids.numel()
-    if hidden.is_cuda and (R <= GATHER_MAX_ROUTES or (R <= PREFILL_GEMV_MAX_ROUTES and moe_decode.kind == "triton")):
+    """The routed experts of a step by the cheapest way for its size and device (module docstring): the
+    Triton GEMV / grouped GEMM on CUDA (``moe_decode``), the grouped loop on the CPU."""
+    if hidden.is_cuda:
         return moe_decode(hidden, topk_ids, topk_weights, gate_up, down, act, bias, gate_up_scale, down_scale)
     return moe_grouped(hidden, topk_ids, topk_weights, gate_up, down, act, bias, gate_up_scale, down_scale)
 
@@ -163,6 +194,7 @@ class ResidentBackend:
                      for layer in ctx.banks.layers]  # gpt-oss: (gate_up_bias [E, 2I], down_bias [E, D])
         self.act = ctx.banks.activation
         self.decode = moe_decode
+        self.top_k = ctx.top_k
         self.nbytes = sum(t.numel() * t.element_size() for layer in self.layers for t in layer.values())
 
     def forward(self, moe_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
@@ -171,6 +203,14 @@ class ResidentBackend:
         banks = self.layers[moe_layer]
         return moe_compute(hidden, topk_ids, topk_weights, banks["gate_up"], banks["down"], self.act,
                            self.bias[moe_layer], **fp8_scales(banks))
+
+    def warm(self, hidden: torch.Tensor) -> int:
+        """Compile the expert kernels of every step size before serving (DecodeKernel.warm)."""
+        banks = self.layers[0] if self.layers else None
+        if banks is None:
+            return 0
+        return self.decode.warm(hidden, self.top_k, banks["gate_up"], banks["down"], self.act, self.bias[0],
+                                **fp8_scales(banks))
 
     def stats(self) -> dict:
         return {"backend": MoEBackend.RESIDENT.value, "expert_bytes_on_device": self.nbytes,

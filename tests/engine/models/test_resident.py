@@ -52,6 +52,26 @@ def test_torch_fallback_groups_past_decode_sizes(monkeypatch):
     assert gathered == [64]
 
 
+def test_triton_path_takes_the_gemv_for_a_few_routes_and_the_gemm_beyond():
+    """GEMV up to GEMV_MAX_ROUTES (it reads an expert per route), the grouped GEMM beyond, gpt-oss experts
+    (biases) to both; both kernels stubbed by the reference."""
+    import services.engine.moe.resident as resident
+
+    calls = []
+    kernel = resident.DecodeKernel("triton")
+    kernel._gemv = lambda *a, act=None, bias=None: calls.append(("gemv", a[1].numel())) or moe_reference(*a[:5], act, bias)
+    kernel._gemm = lambda *a, **k: calls.append(("gemm", a[1].numel())) or moe_reference(*a[:7])
+    for T, A in ((1, 8), (2, 8), (3, 8), (40, 2)):
+        args = _case(T, A, seed=T, skip=True)
+        torch.testing.assert_close(kernel(*args), moe_reference(*args), atol=1e-5, rtol=1e-5)
+    bias = (torch.randn(E, 2 * I), torch.randn(E, D))
+    for T in (1, 20):
+        args = _case(T, 2, seed=0, skip=False)
+        torch.testing.assert_close(kernel(*args, None, bias), moe_reference(*args, None, bias), atol=1e-5, rtol=1e-5)
+    assert calls == [("gemv", 8), ("gemv", 16), ("gemm", 24), ("gemm", 80), ("gemv", 2), ("gemm", 40)]
+    assert resident.GEMV_MAX_ROUTES == 16
+
+
 def test_backend_registered_and_moves_banks():
     banks = ExpertBanks.allocate(ExpertFormat.UNQUANTIZED, 2, E, D, I, torch.float32)
     for layer in banks.layers:
@@ -70,15 +90,18 @@ def test_backend_registered_and_moves_banks():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_decode_uses_triton_kernel():
-    """On CUDA the resident decode path runs the Triton GEMV (no silent fallback) and is correct."""
+@pytest.mark.parametrize("T", [3, 16, 100])
+def test_cuda_decode_uses_triton_kernel(T):
+    """On CUDA the resident path runs the Triton kernels (GEMV at T=3 x top-2, grouped GEMM beyond; no
+    silent fallback) and is correct, and warm() compiles them all."""
     banks = ExpertBanks.allocate(ExpertFormat.UNQUANTIZED, 1, E, D, I, torch.bfloat16)
     for t in banks.layers[0].tensors.values():
         t.normal_(0, 0.1)
     ctx = BackendContext(banks=banks, config=EngineConfig(model="x", device="cuda", dtype="bfloat16"),
                          device=torch.device("cuda"), dtype=torch.bfloat16, top_k=2, weight_bytes_on_device=0)
     backend = make_backend(ctx)
-    hidden, ids, weights, _, _ = (t.cuda() for t in _case(3, 2, seed=5, skip=True))
+    hidden, ids, weights, _, _ = (t.cuda() for t in _case(T, 2, seed=5, skip=True))
+    assert backend.warm(hidden.bfloat16()) >= 2
     out = backend.forward(0, hidden.bfloat16(), ids, weights)
     assert backend.stats()["decode_kernel"] == "triton"
     ref = moe_reference(hidden, ids, weights, *(banks.layers[0].tensors[n].float().cuda() for n in ("gate_up", "down")))
