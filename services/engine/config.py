@@ -56,6 +56,16 @@ class ExpertDType(str, enum.Enum):
     FP8 = "fp8"  # quantized at load to float8_e4m3fn with one scale per 128x128 block (half of bf16's bytes)
 
 
+# --max-running-requests when unset. A resident model on a GPU is a server for many clients: its decode step
+# reads each distinct expert once (the grouped GEMM), and 32 streams of Qwen3-30B-A3B touch ~111 of 128
+# experts per layer (25 GB per step at bf16, ~6 ms at HBM speed) against one stream's 8 (1.8 GB, in a ~2 ms
+# step): ~3x the step for 32x the tokens. Their KV (48 layers x 96 KiB/token x 4096 tokens x 32 = 12.9 GB at
+# bf16) fits beside the 61 GB of experts on the cards that hold them. Elsewhere (CPU, or a GPU too small for
+# the experts, whose VRAM the expert cache wants) 8. docs/serving.md lists the GPU server's defaults.
+GPU_SERVER_RUNNING = 32
+DEFAULT_RUNNING = 8
+
+
 @dataclass
 class EngineConfig:
     model: str = field(env="TANDEM_MODEL", help="checkpoint directory (Hugging Face layout), 'demo', or 'synthetic:NAME[?layers=N]'")
@@ -90,7 +100,11 @@ class EngineConfig:
                                           "checks, streaming and HTTP run while the GPU computes: auto = when the step "
                                           "replays a CUDA graph, on = whenever the batch allows it, off = never")
     gpu_memory_limit: float | None = field(None, help="cap the VRAM budget at this many GiB (emulate a smaller card)")
-    max_running_requests: int = field(8, help="most requests decoded together (continuous batching)")
+    max_running_requests: int | None = field(None, help="most requests decoded together (continuous batching; each "
+                                             "holds a KV slot of --max-seq-len tokens, and CUDA graphs are captured "
+                                             f"for every batch size up to it); unset = {GPU_SERVER_RUNNING} with "
+                                             "--moe-backend resident on --device cuda (a GPU server), else "
+                                             f"{DEFAULT_RUNNING}")
     max_waiting_requests: int = field(64, help="most requests queued before new ones get 429")
     max_seq_len: int = field(4096, help="most tokens (prompt + generated) per request; also sizes the KV cache")
     max_prefill_tokens: int | None = field(None, help="most prompt tokens computed per step; longer prompts are prefilled in "
@@ -114,6 +128,9 @@ class EngineConfig:
         self.moe_expert_dtype = ExpertDType(self.moe_expert_dtype)
         self.moe_backend = MoEBackend(self.moe_backend)
         self.decode_overlap = DecodeOverlap(self.decode_overlap)
+        if self.max_running_requests is None:
+            gpu_server = self.device is Device.CUDA and self.moe_backend is MoEBackend.RESIDENT
+            self.max_running_requests = GPU_SERVER_RUNNING if gpu_server else DEFAULT_RUNNING
         if self.moe_cache_policy is None:  # lfu, except where the prefetch needs LRU order (below)
             self.moe_cache_policy = CachePolicy.LRU if self.moe_prefetch > 0 else CachePolicy.LFU
         self.moe_cache_policy = CachePolicy(self.moe_cache_policy)

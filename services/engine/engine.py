@@ -212,7 +212,7 @@ class Engine:
         self.grammars.warm_in_background()
         self.runner = ModelRunner(self.loaded, cfg.max_running_requests, cfg.max_seq_len, device, dtype,
                                   backend_name=cfg.moe_backend.value, eos_token_ids=self._info["eos_token_ids"],
-                                  masks=TokenMasks(self.grammars.mask_vocab))
+                                  masks=TokenMasks(self.grammars.mask_vocab), progress=self._on_progress)
         self.scheduler = Scheduler(cfg.max_running_requests, cfg.max_waiting_requests, cfg.max_seq_len,
                                    self._info["eos_token_ids"], max_prefill_tokens=cfg.max_prefill_tokens,
                                    prefix_cache=cfg.prefix_cache)

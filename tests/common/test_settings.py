@@ -48,7 +48,7 @@ def test_help_shows_a_derived_default_as_unset_not_none():
     help_text = " ".join(_parse([])[0].format_help().split())  # argparse wraps lines
     assert "(default: None)" not in help_text
     assert "unset = lfu, or lru with --moe-prefetch (default: unset)" in help_text
-    assert "(default: 8)" in help_text  # a plain default is still shown as itself (--max-running-requests)
+    assert "(default: 64)" in help_text  # a plain default is still shown as itself (--max-waiting-requests)
 
 
 def test_bad_choice_is_rejected(capsys):

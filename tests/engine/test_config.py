@@ -48,3 +48,10 @@ def test_the_lfu_cap_bound_is_the_kernels():
     from services.engine.config import LFU_CAP_MAX
 
     assert LFU_CAP_MAX == USE_CAP == EngineConfig(model="demo").moe_cache_lfu_cap
+
+
+@pytest.mark.parametrize("device, backend, running", [("cuda", "resident", 32), ("cuda", "hybrid", 8),
+                                                      ("cuda", "offload", 8), ("cpu", "resident", 8)])
+def test_running_requests_default_to_a_gpu_servers_width_on_resident_cuda(device, backend, running):
+    assert EngineConfig(model="demo", device=device, moe_backend=backend).max_running_requests == running
+    assert EngineConfig(model="demo", device=device, moe_backend=backend, max_running_requests=3).max_running_requests == 3

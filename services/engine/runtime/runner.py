@@ -12,11 +12,15 @@ The runner owns the KV cache (``S = max_running_requests`` slots of ``max_seq_le
 padding slot when CUDA graphs are on) and the sampler; the model is the registry's ``MoECausalLM``
 (contract: ``forward(input_ids [T], positions [T], ForwardBatch, KVCache) -> logits [N, V]``).
 
-On CUDA, decode steps (one token per sequence) replay CUDA graphs captured at start for padded batch
-sizes 1, 2, 4, 8, 16, ...: an eager decode step costs ~20 launches x L layers x ~19 us (docs/design.md §6:
-~18 ms/token at 48 layers), a replay one launch. Padding rows write to the spare KV slot. Each graph is
-checked against an eager forward once after capture; a size that fails to capture or to match runs
-eager (logged), so a backend that is not graph-safe costs speed, never correctness.
+On CUDA, decode steps (one token per sequence) replay CUDA graphs captured at start for every batch size
+1..max_running_requests (tqdm bar and ``progress`` phase "capturing"): an eager decode step costs ~20
+launches x L layers x ~19 us (docs/design.md §6: ~18 ms/token at 48 layers), a replay one launch, and a
+graph per size means no padding rows (a padding row routes to real experts: with the grouped expert GEMM
+it would add their weight reads to the step). Each graph is checked against an eager forward once after
+capture; a size that fails to capture or to match runs eager (logged), so a backend that is not graph-safe
+costs speed, never correctness. Before the capture, ``warm_up`` compiles the expert kernels of every step
+size (the backend's ``warm``) and runs one eager prefill, so no JIT compile or lazy module load lands on a
+request (progress phase "compiling").
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
+from tqdm import tqdm
 
 from services.common.logging import get_logger
 from services.common.settings import env
@@ -45,9 +51,10 @@ class ModelRunner:
 
     def __init__(self, loaded, num_slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype,
                  backend_name: str = "resident", eos_token_ids: list[int] = (),
-                 masks: TokenMasks | None = None):
+                 masks: TokenMasks | None = None, progress=None):
         """``eos_token_ids``: the ids min_tokens bans until a request has generated enough;
-        ``masks``: the grammar masks of constrained rows (default: as wide as the model's vocabulary)."""
+        ``masks``: the grammar masks of constrained rows (default: as wide as the model's vocabulary);
+        ``progress``: gets ``{"phase": "compiling" | "capturing", "done", "total", "fraction"}`` on CUDA."""
         from services.engine.runtime.kv_cache import KVCache  # model helper's module
 
         self.loaded = loaded
@@ -64,6 +71,9 @@ class ModelRunner:
         # one spare slot for the padding rows of graph replays
         self.kv = KVCache(loaded.spec, num_slots + int(self.graphs_enabled), max_seq_len, device, dtype)
         self.num_slots = num_slots
+        self.progress = progress
+        if device.type == "cuda":
+            self.warm_up()
         if self.graphs_enabled:
             self._capture()
 
@@ -76,10 +86,39 @@ class ModelRunner:
         torch.cuda.empty_cache()
         self._capture()
 
+    WARM_PREFILL_TOKENS = 64  # the warm-up prefill's length (any length meets the same compiled kernels)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile before serving what a request would otherwise compile or load on first use: the expert
+        kernels at every size class (``backend.warm``: the GEMV, the grouped GEMM with each launch config)
+        and one eager prefill forward (cuBLAS / SDPA modules, the prefill path's Triton kernels) into slot 0,
+        which holds nothing yet (the prefix cache only reuses slots that requests freed)."""
+        t0 = time.perf_counter()
+        self._report("compiling", 0, 2)
+        warm = getattr(self.model.backend, "warm", None)
+        hidden = torch.zeros(1, self.loaded.spec.hidden_size, dtype=self.kv.dtype, device=self.device)
+        calls = warm(hidden) if warm is not None else 0
+        self._report("compiling", 1, 2)
+        from services.engine.runtime.kv_cache import ForwardBatch
+
+        T = min(self.WARM_PREFILL_TOKENS, self.kv.max_seq_len)
+        ids = torch.ones(T, dtype=torch.long, device=self.device)
+        pos = torch.arange(T, device=self.device)
+        self.model(ids, pos, ForwardBatch(slots=[0], start_pos=[0], query_lens=[T]), self.kv)
+        torch.cuda.synchronize(self.device)
+        self._report("compiling", 2, 2)
+        log.info("kernels warmed in %.1f s (%d expert-kernel calls, one %d-token prefill)",
+                 time.perf_counter() - t0, calls, T)
+
+    def _report(self, phase: str, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.progress({"phase": phase, "done": done, "total": total, "fraction": done / max(total, 1)})
+
     def _capture(self) -> None:
         if getattr(self.model.backend, "cuda_graph_safe", self._graph_safe_default):
             self.graphs = DecodeGraphs(self.model, self.kv, max_batch=self.num_slots, pad_slot=self.num_slots)
-            self.graphs.capture()
+            self.graphs.capture(lambda done, total: self._report("capturing", done, total))
         else:
             log.info("expert backend is not CUDA-graph safe: decode steps run eagerly")
 
@@ -214,8 +253,7 @@ class DecodeGraphs:
     def __init__(self, model, kv, max_batch: int, pad_slot: int):
         self.model, self.kv = model, kv
         self.max_batch, self.pad_slot = max_batch, pad_slot
-        self.sizes = sorted({b for b in (1, 2, 4, 8) if b <= max_batch} | set(range(16, max_batch + 1, 8))
-                            | {max_batch})
+        self.sizes = list(range(1, max_batch + 1))  # every size: no padding rows (module docstring)
         self.static = torch.zeros(3, max_batch, dtype=torch.long, device=kv.device)  # [3, Bmax]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # B -> (graph, logits [B, V])
         self._pool = None
@@ -233,15 +271,23 @@ class DecodeGraphs:
         self.static[2].fill_(self.pad_slot)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        for B in sorted(self.sizes, reverse=True):  # largest first: the smaller ones reuse its pool
+    def capture(self, report=None) -> None:
+        """Capture every size, largest first (the smaller ones reuse its pool); ``report(done, total)`` after
+        each, and a tqdm bar on stderr."""
+        t0 = time.perf_counter()
+        sizes = sorted(self.sizes, reverse=True)
+        for n, B in enumerate(tqdm(sizes, desc="capturing CUDA graphs", unit="graph", leave=False), 1):
             try:
                 self._capture_one(B)
             except Exception as exc:  # not capturable (host sync, unsupported op): this size runs eager
                 log.warning("decode batch %d: CUDA graph capture failed, eager instead (%s: %s)", B,
                             type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
                 torch.cuda.synchronize()
-        log.info("CUDA graphs captured for decode batch sizes %s", sorted(self.graphs) or "none")
+            if report is not None:
+                report(n, len(sizes))
+        got = sorted(self.graphs)
+        log.info("CUDA graphs captured in %.1f s for decode batch sizes %s", time.perf_counter() - t0,
+                 f"1-{got[-1]}" if got == list(range(1, len(got) + 1)) and got else (got or "none"))
 
     def _capture_one(self, B: int) -> None:
         ids, pos, batch = self.static[0, :B], self.static[1, :B], self._batch(B)
