@@ -1,5 +1,5 @@
-"""The expert-cache kernels compile for the H200 (sm_90) on a machine without a GPU; see
-compile_ensure_sm90.py. A fresh Triton cache, so a kernel compiled before cannot stand in for this one."""
+"""The expert-cache kernels and the grouped MoE GEMM compile for the H200 (sm_90) on a machine without a GPU; see
+compile_ensure_sm90.py and compile_moe_gemm_sm90.py. A fresh Triton cache, so a kernel compiled before cannot stand in for this one."""
 
 import os
 import subprocess
@@ -20,3 +20,16 @@ def test_ensure_kernels_compile_for_sm90(tmp_path):
         for lfu in (False, True):
             line = next(x for x in lines if x.startswith(f"{kernel} lfu={lfu}:"))
             assert int(line.split()[2]) > 0
+
+
+def test_moe_gemm_kernels_compile_for_sm90(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton"), PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-m", "tests.kernels.compile_moe_gemm_sm90"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [x for x in done.stdout.split("\n") if x.startswith("gate_up/down")]
+    from kernels.moe_gemm import CONFIGS
+
+    assert len(lines) == 2 * 2 * len(CONFIGS["default"])  # bf16/fp8 x silu/gpt-oss x the default table
+    assert all(int(n) > 0 for x in lines for n in x.split(":")[1].split()[:2])

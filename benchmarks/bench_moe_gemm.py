@@ -1,0 +1,149 @@
+"""The routed experts of one layer on the GPU: the Triton GEMV (kernels/moe_gemv.py, an expert read per route)
+against the grouped GEMM (kernels/moe_gemm.py, an expert read per tile of routes), by tokens per step.
+
+What counts is the bytes of the DISTINCT experts a step routes to (what any kernel must read at least once):
+each row reports them as GB/s of distinct expert bytes, next to the HBM ceiling measured in the same run (a
+device-to-device copy, bytes read + written, like benchmarks/ceilings.py). A kernel at the ceiling reads
+each distinct expert once at HBM speed; the GEMV falls below it as soon as routes share experts.
+
+Each call is timed as decode runs it, replayed from a CUDA graph (``--calls`` captured back to back, best of
+``--replays``), prefill-sized steps too (the same kernels run eagerly there, plus ~15 launches). Routing:
+top-k of E uniformly at random per token (the synthetic models' routers); every result is checked against
+moe_reference in fp32 first (fp8: on the dequantized experts). ``--sweep`` times every candidate launch
+config of the GEMM per size and prints the best: what goes into kernels/moe_gemm.CONFIGS for a device.
+
+    python -m benchmarks.bench_moe_gemm [--tokens 1,4,8,16,32,64,256] [--fp8] [--sweep] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+
+import torch
+from tqdm import tqdm
+
+from benchmarks.bench_gemv import graph_us
+from kernels.moe_gemm import GemmConfig, moe_gemm, pick_config
+from kernels.moe_gemv import moe_gemv
+from services.engine.moe.fp8 import dequantize, dequantize_gate_up, quantize, quantize_gate_up
+from services.engine.moe.reference import moe_reference
+
+GB = 1e9
+
+
+def sweep_configs() -> list[GemmConfig]:
+    """Candidate launch configs for --sweep (block_k dividing 128, so fp8 can use each)."""
+    out = []
+    for bm, bn, bk, warps in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (4, 8)):
+        out.append(GemmConfig(bm, bn, bk, max(bn, 64), bk, num_warps=warps, num_stages=3))
+    return out
+
+
+def hbm_ceiling_GBs(nbytes: int = 2 << 30, reps: int = 10) -> float:
+    """A device-to-device copy's bytes read + written per second (best of ``reps``)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    best = graph_us(lambda: dst.copy_(src), 1, reps)
+    del src, dst
+    return 2 * nbytes / (best * 1e-6) / GB
+
+
+def make_experts(E: int, D: int, I: int, fp8: bool, g: torch.Generator) -> dict:
+    gate_up = torch.randn(E, 2 * I, D, generator=g) / D ** 0.5
+    down = torch.randn(E, D, I, generator=g) / I ** 0.5
+    if not fp8:
+        return {"gate_up": gate_up.to("cuda", torch.bfloat16), "down": down.to("cuda", torch.bfloat16)}
+    (qg, sg), (qd, sd) = quantize_gate_up(gate_up), quantize(down)
+    return {"gate_up": qg.cuda(), "down": qd.cuda(), "gate_up_scale": sg.cuda(), "down_scale": sd.cuda()}
+
+
+def dense_fp32(banks: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    if "gate_up_scale" in banks:
+        return (dequantize_gate_up(banks["gate_up"], banks["gate_up_scale"]),
+                dequantize(banks["down"], banks["down_scale"]))
+    return banks["gate_up"].float(), banks["down"].float()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", default="1,4,8,16,32,64,256", help="comma list of tokens per step")
+    p.add_argument("--experts", type=int, default=128, help="E (default: Qwen3-30B-A3B's 128)")
+    p.add_argument("--top-k", type=int, default=8, help="A (default: 8)")
+    p.add_argument("--hidden", type=int, default=2048, help="D (default: 2048)")
+    p.add_argument("--inter", type=int, default=768, help="I (default: 768)")
+    p.add_argument("--fp8", action="store_true", help="fp8_block experts (128x128 block scales) instead of bf16")
+    p.add_argument("--sweep", action="store_true", help="also time every candidate GEMM launch config per size")
+    p.add_argument("--calls", type=int, default=20, help="calls captured per CUDA graph")
+    p.add_argument("--replays", type=int, default=10, help="graph replays; the best is kept")
+    p.add_argument("--json", help="write the rows to this JSON file")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_moe_gemm: needs a CUDA device", file=sys.stderr)
+        return 2
+    try:
+        token_counts = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        p.error(f"--tokens: expected a comma list of integers, got {args.tokens!r}")
+    E, A, D, I = args.experts, args.top_k, args.hidden, args.inter
+    g = torch.Generator().manual_seed(0)
+    banks = make_experts(E, D, I, args.fp8, g)
+    expert_bytes = sum(t[0].numel() * t.element_size() for t in banks.values())
+    dense = dense_fp32(banks)
+    ceiling = hbm_ceiling_GBs()
+    kw = {k: v for k, v in banks.items() if k.endswith("_scale")}
+    rows = []
+    for T in tqdm(token_counts, desc="tokens per step", file=sys.stderr):
+        hidden = torch.randn(T, D, generator=g).to("cuda", torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, generator=g)[:A] for _ in range(T)]).cuda()
+        weights = torch.rand(T, A, generator=g).cuda()
+        distinct = int(torch.unique(ids).numel())
+        ref = moe_reference(hidden.float(), ids, weights, *dense)
+
+        def gemv():
+            return moe_gemv(hidden, ids, weights, banks["gate_up"], banks["down"], **kw)
+
+        def gemm(cfg=None):
+            return moe_gemm(hidden, ids, weights, banks["gate_up"], banks["down"], config=cfg, **kw)
+
+        for name, fn in (("gemv", gemv), ("gemm", gemm)):
+            torch.testing.assert_close(fn().float(), ref, atol=3e-2, rtol=3e-2)
+        gemv_us, gemm_us = (graph_us(fn, args.calls, args.replays) for fn in (gemv, gemm))
+        row = {"tokens": T, "routes": T * A, "distinct_experts": distinct,
+               "distinct_GB": distinct * expert_bytes / GB, "gemv_us": gemv_us, "gemm_us": gemm_us,
+               "gemv_GBs": distinct * expert_bytes / (gemv_us * 1e-6) / GB,
+               "gemm_GBs": distinct * expert_bytes / (gemm_us * 1e-6) / GB,
+               "gemm_config": vars(pick_config(T * A, E, hidden.device))}
+        if args.sweep:
+            timed = {}
+            for cfg in sweep_configs():
+                try:
+                    timed[cfg] = graph_us(lambda c=cfg: gemm(c), args.calls, args.replays)
+                except Exception as exc:  # noqa: BLE001 - a config over the shared-memory limit: skipped
+                    print(f"  {cfg}: {type(exc).__name__}", file=sys.stderr)
+            best = min(timed, key=timed.get)
+            row.update(best_us=timed[best], best_config=vars(best),
+                       best_GBs=distinct * expert_bytes / (timed[best] * 1e-6) / GB)
+        rows.append(row)
+    print(f"E={E} top-{A} D={D} I={I} {'fp8_block' if args.fp8 else 'bf16'}: {expert_bytes / 1e6:.1f} MB per "
+          f"expert; HBM ceiling (copy, read + write) {ceiling:.0f} GB/s")
+    print(f"{'T':>5} | {'routes':>6} | {'experts':>7} | {'GEMV us':>8} | {'GB/s':>6} | {'GEMM us':>8} | {'GB/s':>6} | "
+          f"{'% ceil':>6}" + (" | best us | best config" if args.sweep else ""))
+    for r in rows:
+        line = (f"{r['tokens']:>5} | {r['routes']:>6} | {r['distinct_experts']:>7} | {r['gemv_us']:8.1f} | "
+                f"{r['gemv_GBs']:6.0f} | {r['gemm_us']:8.1f} | {r['gemm_GBs']:6.0f} | "
+                f"{100 * r['gemm_GBs'] / ceiling:5.0f}%")
+        if args.sweep:
+            line += f" | {r['best_us']:7.1f} | {r['best_config']}"
+        print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hbm_GBs": ceiling,
+                       "expert_bytes": expert_bytes, "rows": rows}, f, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

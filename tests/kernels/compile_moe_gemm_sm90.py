@@ -1,0 +1,63 @@
+"""Compile kernels/moe_gemm.py's kernels for sm_90 with the Triton wheel's own ptxas, no GPU needed: bf16 and
+fp8_block weights, silu and gpt-oss (biases, clamped SwiGLU), every launch config of the default table. What the
+interpreter lets through but the compiler rejects (a dot on a shape or dtype the tensor cores lack, a constexpr
+passed the wrong way) fails here. Run by test_compile_sm90.py in a process of its own (TRITON_INTERPRET unset);
+prints one line per compiled kernel."""
+
+import inspect
+import os
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+assert not os.environ.get("TRITON_INTERPRET"), "the compiler, not the interpreter: unset TRITON_INTERPRET"
+
+import kernels.moe_gemm as mg  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)  # the H200
+
+
+SHARED_MAX = 227 * 1024  # sm_90's shared memory per block (opt-in maximum)
+
+
+def compile_kernel(kernel, pointers: dict[str, str], constexprs: dict, num_warps: int, num_stages: int) -> int:
+    """Cubin bytes of ``kernel``: ``pointers`` name -> Triton pointer type, other non-constexpr params i32.
+    Fails when the launch would need more shared memory than the H200 has."""
+    params = inspect.signature(kernel.fn).parameters
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in params}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=TARGET,
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    shared = compiled.metadata.shared
+    assert shared <= SHARED_MAX, f"{kernel.fn.__name__} {constexprs}: {shared} bytes of shared memory > {SHARED_MAX}"
+    return len(compiled.asm["cubin"])
+
+
+def main() -> None:
+    n = compile_kernel(mg._place_kernel, {"ids_ptr": "*i32", "first_row_ptr": "*i32", "routes_ptr": "*i32"},
+                       {"BLOCK_R": 256}, 4, 3)
+    print(f"place: {n} bytes")
+    n = compile_kernel(mg._combine_kernel, {"y_ptr": "*fp32", "ids_ptr": "*i32", "out_ptr": "*bf16"},
+                       {"BLOCK": 256}, 4, 3)
+    print(f"combine: {n} bytes")
+    for fmt, w, s in (("bf16", "*bf16", "*bf16"), ("fp8", "*fp8e4nv", "*fp32")):
+        for gpt_oss in (False, True):
+            for cfg in mg.all_configs(torch.device("cpu")):  # the default table (what an untuned device gets)
+                common = {"SB": mg.SCALE_BLOCK, "FP8": fmt == "fp8", "HAS_BIAS": gpt_oss, "IEEE": False,
+                          "BLOCK_M": cfg.block_m}
+                n1 = compile_kernel(mg._gate_up_kernel,
+                                    {"x_ptr": "*bf16", "routes_ptr": "*i32", "tiles_ptr": "*i32", "w_ptr": w,
+                                     "s_ptr": s, "b_ptr": "*bf16", "act_ptr": "*bf16"},
+                                    {**common, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "CLAMPED": gpt_oss,
+                                     "ALPHA": 1.702, "LIMIT": 7.0}, cfg.num_warps, cfg.num_stages)
+                n2 = compile_kernel(mg._down_kernel,
+                                    {"act_ptr": "*bf16", "routes_ptr": "*i32", "tiles_ptr": "*i32", "w_ptr": w,
+                                     "s_ptr": s, "b_ptr": "*bf16", "rw_ptr": "*fp32", "y_ptr": "*fp32"},
+                                    {**common, "BLOCK_N": cfg.block_n2, "BLOCK_K": cfg.block_k2},
+                                    cfg.num_warps, cfg.num_stages)
+                print(f"gate_up/down {fmt} gpt_oss={gpt_oss} m{cfg.block_m}: {n1} {n2} bytes")
+
+
+if __name__ == "__main__":
+    main()
