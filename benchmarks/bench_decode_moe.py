@@ -54,6 +54,7 @@ import httpx
 from tqdm import tqdm
 
 from benchmarks.server_process import ServerProcess
+from benchmarks.stats import percentile
 
 PROMPTS = Path(__file__).parent / "prompts" / "math.jsonl"
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -107,13 +108,12 @@ def stream_chat(url: str, model: str, prompt: str, max_tokens: int, sampling: di
     if usage is None or len(event_times) < 2:
         raise RuntimeError(f"stream ended early: {len(event_times)} events, usage={usage}")
     gaps_ms = [(b - a) * 1e3 for a, b in zip(event_times, event_times[1:])]
-    gaps_ms.sort()
     full = "".join(text)
     return {
         "decode_tok_s": (usage["completion_tokens"] - 1) / (event_times[-1] - event_times[0]),
         "ttft_ms": (event_times[0] - t_sent) * 1e3,
-        "event_ms_p50": statistics.median(gaps_ms),
-        "event_ms_p99": gaps_ms[min(len(gaps_ms) - 1, int(0.99 * len(gaps_ms)))],
+        "event_ms_p50": percentile(gaps_ms, 50),
+        "event_ms_p99": percentile(gaps_ms, 99),
         "prompt_tokens": usage["prompt_tokens"],
         "completion_tokens": usage["completion_tokens"],
         "output_sha1": hashlib.sha1(full.encode()).hexdigest()[:12],

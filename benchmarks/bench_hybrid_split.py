@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from benchmarks.stats import percentile
 from services.engine.config import LFU_CAP_MAX, EngineConfig, MoEBackend
 from services.engine.models.registry import load_model, pin_banks
 from services.engine.moe.backends import BackendContext
@@ -159,7 +160,7 @@ def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict
         misses, fetched, ahead = (a - b for a, b in zip(cache_counts(backend), counts0))
         layers = len(lm.banks.layers) * args.tokens
         row = {"config": config, "tokens": args.tokens, "ms_per_token": 1e3 * statistics.fmean(times),
-               "ms_p50": 1e3 * statistics.median(times), "ms_p99": 1e3 * sorted(times)[int(0.99 * (len(times) - 1))],
+               "ms_p50": 1e3 * percentile(times, 50), "ms_p99": 1e3 * percentile(times, 99),
                "misses_per_layer": misses / layers, "fetched_per_layer": fetched / layers,
                "prefetched_per_layer": ahead / layers,
                "miss_rate": misses / (layers * lm.spec.top_k), "cache_policy": "lfu" if backend.cache.lfu else "lru",

@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import datetime as dt
 import json
-import math
 import random
 import statistics
 import sys
@@ -41,14 +40,7 @@ import httpx
 from benchmarks.bench_decode_moe import _delta, engine_summary
 from benchmarks.chat_prompts import chat_prompts
 from benchmarks.server_process import ServerProcess
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100) of ``values``; None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+from benchmarks.stats import percentile
 
 
 async def stream_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, tokens: int) -> dict:
