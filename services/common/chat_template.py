@@ -20,6 +20,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -91,8 +92,7 @@ class _TemplateNamespace(jinja2.utils.Namespace):
             raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attribute {name!r}")
 
 
-@lru_cache(maxsize=32)
-def _compile(template: str) -> jinja2.Template:
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
@@ -100,7 +100,23 @@ def _compile(template: str) -> jinja2.Template:
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _TemplateNamespace
-    return env.from_string(template)
+    return env
+
+
+@lru_cache(maxsize=32)
+def _compile(template: str) -> jinja2.Template:
+    return _environment().from_string(template)
+
+
+@lru_cache(maxsize=32)
+def template_variables(template: str) -> frozenset[str]:
+    """The variables ``template`` reads from its caller (e.g. gpt-oss's ``reasoning_effort``; a variable
+    it only reads under ``is defined`` counts); ChatTemplateError when it is not valid Jinja."""
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(template)))
+    except jinja2.TemplateSyntaxError as err:
+        raise ChatTemplateError(f"chat_template of tokenizer_config.json is not valid Jinja "
+                                f"(line {err.lineno}): {err.message}") from err
 
 
 def _plain(value: Any) -> Any:

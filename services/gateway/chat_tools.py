@@ -9,6 +9,9 @@ of one request (``plan_tools``), and the answer's message built from the generat
 
 The syntax is the model family's (services/gateway/tool_parsers.py, chosen by the chat template); a
 template that writes no syntax Tandem knows is refused with a 400 unless tool_choice is "none".
+Harmony (gpt-oss) calls are found on the token ids (reasoning.py) and come with the generation
+(``Generation.calls``); its forced call lets the model reason first (analysis) and constrains the call
+message only, and since ``<|call|>`` ends the turn a harmony answer holds one call.
 Assistant messages' ``tool_calls`` come back with their ``arguments`` as objects, the way chat templates
 (transformers') expect them, and ``tool`` messages pass through to the template.
 """
@@ -73,7 +76,11 @@ def plan_tools(req: ChatCompletionRequest, tokenizer_config: dict, tokenizer) ->
     if req.response_format is not None and req.response_format.type != "text":
         raise RequestError("a forced tool call (tool_choice required or a function) cannot be combined with "
                            "response_format", "response_format")
-    return ToolPlan(tools, parser, parallel, {"lark": parser.forced_grammar(forced, parallel, tokenizer)}, keep)
+    try:
+        grammar = parser.forced_grammar(forced, parallel, tokenizer)
+    except ValueError as exc:  # a harmony template over a tokenizer without the harmony markers
+        raise RequestError(f"tool_choice: {exc}", "tool_choice") from exc
+    return ToolPlan(tools, parser, parallel, {"lark": grammar}, keep)
 
 
 def template_message(message: dict) -> dict:
@@ -93,11 +100,13 @@ def template_message(message: dict) -> dict:
     return {**message, "tool_calls": out}
 
 
-def answer_message(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[ChatResponseMessage, str | None]:
-    """The response's message and finish_reason for a finished generation's text."""
+def answer_message(plan: ToolPlan, text: str, finish_reason: str | None,
+                   parsed: list[ToolCall] = ()) -> tuple[ChatResponseMessage, str | None]:
+    """The response's message and finish_reason for a finished generation's text (``parsed``: the calls
+    found on the token ids, for a structured family: harmony)."""
     if plan.parser is None:
         return ChatResponseMessage(content=text), finish_reason
-    content, calls = plan.parser.parse(text)
+    content, calls = (text or None, list(parsed)) if plan.parser.structured else plan.parser.parse(text)
     if not calls:
         return ChatResponseMessage(content=text), finish_reason
     calls = calls if plan.parallel else calls[:1]

@@ -9,6 +9,7 @@ goes away or a stop string matched.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -40,6 +41,7 @@ class Delta:
     # {"token_id", "logprob", "top": [[id, logprob], ...]} each (the ids of a delta and its text need not align)
     logprobs: list[dict] = field(default_factory=list)
     reasoning: str = ""  # harmony models: text of the analysis channel (reasoning.py), apart from ``text``
+    calls: list = field(default_factory=list)  # harmony models, tools asked for: the calls completed in this delta
 
 
 @dataclass
@@ -60,6 +62,10 @@ class Generation:
     # False when a special token is part of the answer's syntax (Mistral's [TOOL_CALLS]: chat_tools.py)
     skip_special_tokens: bool = True
     reasoning: str = ""  # harmony models: the analysis channel's text (reasoning_content)
+    # harmony models with tools: turns a call message's (name, body) into a ToolCall, None if malformed
+    # (tool_parsers.HarmonyToolParser.call_from_body); None: calls are not parsed, their bodies are text
+    make_call: Callable[[str, str], object | None] | None = None
+    calls: list = field(default_factory=list)  # the calls so far (make_call's)
     stop_string: str | None = None  # the stop string that ended the text, if one did
     pool: EnginePool | None = None  # set by start(): its shutdown ends this generation
 
@@ -72,7 +78,7 @@ class Generation:
             if sampling.get("seed") is not None:
                 sampling["seed"] = sampling["seed"] + i
             out.append(Generation(self.engine, self.prompt_token_ids, sampling, self.stop, index=i,
-                                  skip_special_tokens=self.skip_special_tokens))
+                                  skip_special_tokens=self.skip_special_tokens, make_call=self.make_call))
         return out
 
     @property
@@ -185,7 +191,8 @@ async def deltas(gen: Generation, stream) -> AsyncIterator[Delta]:
     engine = gen.engine
     detok = engine.tokenizer.detokenizer(skip_special_tokens=gen.skip_special_tokens)
     stops = StopStringMatcher(gen.stop)
-    splitter = harmony_splitter(engine.tokenizer)  # harmony (gpt-oss): reasoning apart from the answer
+    # harmony (gpt-oss): reasoning and calls apart from the answer
+    splitter = harmony_splitter(engine.tokenizer, gen.make_call)
     reasoning_detok = engine.tokenizer.detokenizer() if splitter is not None else None
     outputs = EngineOutputs(stream, gen.pool)
     try:
@@ -200,13 +207,19 @@ async def deltas(gen: Generation, stream) -> AsyncIterator[Delta]:
                 logprobs = logprobs[:len(ids)]
             if gen.sampling.get("logprobs") is not None:
                 gen.logprobs = (gen.logprobs or []) + logprobs
-            reasoning = ""
+            reasoning, calls = "", []
             if splitter is not None:
-                reasoning_ids, ids = splitter.feed(ids)
-                reasoning = reasoning_detok.add_many(reasoning_ids)
+                parts = splitter.feed(ids)
+                if finish is not None:  # the stop token (<|call|>) was dropped above: it ends the last message
+                    end = splitter.finish()
+                    parts.answer += end.answer
+                    parts.calls += end.calls
+                reasoning = reasoning_detok.add_many(parts.reasoning)
                 if finish is not None:
                     reasoning += reasoning_detok.finish()
                 gen.reasoning += reasoning
+                ids, calls = parts.answer, parts.calls
+                gen.calls += calls
             delta, matched = stops.feed(detok.add_many(ids))
             if not matched and finish is not None:
                 if finish == "abort":
@@ -223,11 +236,11 @@ async def deltas(gen: Generation, stream) -> AsyncIterator[Delta]:
                 gen.text += delta
                 log.debug("request %s on engine %s: %d prompt + %d completion tokens, finish %s", gen.request_id,
                           engine.client.id, gen.prompt_tokens, gen.completion_tokens, finish)
-                yield Delta(delta, finish, logprobs, reasoning)
+                yield Delta(delta, finish, logprobs, reasoning, calls)
                 return
-            if delta or logprobs or reasoning:
+            if delta or logprobs or reasoning or calls:
                 gen.text += delta
-                yield Delta(delta, logprobs=logprobs, reasoning=reasoning)
+                yield Delta(delta, logprobs=logprobs, reasoning=reasoning, calls=calls)
     finally:
         outputs.close()  # no await: this task may be under cancellation (client gone)
         engine.outstanding -= 1

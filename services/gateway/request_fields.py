@@ -76,8 +76,8 @@ CHAT_FIELDS: dict[str, FieldRule] = {
     "prompt_cache_key": _honoured("accepted as a hint only (Tandem has no prompt cache to route by)"),
     "prompt_cache_options": _refused("prompt caching options are not supported"),
     "prompt_cache_retention": _refused("prompt cache retention is not supported"),
-    "reasoning_effort": _refused("not supported; models that can think take "
-                                 "chat_template_kwargs={\"enable_thinking\": ...}"),
+    "reasoning_effort": _honoured("low, medium or high, given to the chat template as its reasoning_effort "
+                                  "(gpt-oss); a model whose template has no such variable refuses it (400)"),
     "response_format": _honoured("json_object / json_schema: the output is valid JSON (under the schema) by "
                                  "constrained decoding; a schema that does not compile is a 400"),
     "safety_identifier": _honoured("accepted as information only (OpenAI uses it for abuse monitoring)"),

@@ -160,7 +160,7 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
 
 def _content(plan: ToolPlan, gen: g.Generation) -> tuple[list[dict], str | None]:
     """The answer's content blocks (text, then tool_use) and the chat finish_reason."""
-    message, finish = answer_message(plan, gen.text, gen.finish_reason)
+    message, finish = answer_message(plan, gen.text, gen.finish_reason, gen.calls)
     blocks = [{"type": "text", "text": message.content}] if message.content or not message.tool_calls else []
     blocks += [_tool_use(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []]
     return blocks, finish
@@ -239,7 +239,7 @@ async def _events(gen: g.Generation, plan: ToolPlan, stream, msg_id: str, model:
     finish = None
     try:
         async for d in g.deltas(gen, stream):
-            text, done = calls.feed(d.text, final=d.finish_reason is not None) if calls else (d.text, [])
+            text, done = calls.feed(d.text, d.finish_reason is not None, d.calls) if calls else (d.text, [])
             if text:
                 for event in blocks.text(text):
                     yield event

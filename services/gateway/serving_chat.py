@@ -12,7 +12,7 @@ import asyncio
 import inspect
 import time
 
-from services.common.chat_template import ChatTemplateError, render_chat
+from services.common.chat_template import ChatTemplateError, render_chat, select_template, template_variables
 from services.gateway import generation as g
 from services.gateway.chat_tools import (ToolPlan, answer_message, call_deltas, plan_tools, template_message,
                                          tool_finish)
@@ -53,6 +53,30 @@ def template_kwargs(given: dict | None, open_to: frozenset[str] = frozenset()) -
     return kwargs
 
 
+REASONING_EFFORTS = ("low", "medium", "high")
+
+
+def with_reasoning_effort(effort, tokenizer_config: dict, tools: list[dict] | None, kwargs: dict) -> dict:
+    """``kwargs`` plus the template's ``reasoning_effort`` variable (gpt-oss: the system message's
+    "Reasoning:" line); a 400 when the model's template has no such variable (the field would change
+    nothing), when the value is not one of low / medium / high, or when chat_template_kwargs says otherwise."""
+    if effort not in REASONING_EFFORTS:
+        raise g.RequestError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                             "reasoning_effort")
+    try:
+        variables = template_variables(select_template(tokenizer_config, tools))
+    except ChatTemplateError as exc:
+        raise g.RequestError(str(exc), "messages") from exc
+    if "reasoning_effort" not in variables:
+        raise g.RequestError("reasoning_effort is not supported by this model: its chat template has no "
+                             "reasoning_effort variable (gpt-oss's has); models that can think may take "
+                             "chat_template_kwargs such as {\"enable_thinking\": false}", "reasoning_effort")
+    if kwargs.get("reasoning_effort", effort) != effort:
+        raise g.RequestError(f"reasoning_effort {effort!r} and chat_template_kwargs.reasoning_effort "
+                             f"{kwargs['reasoning_effort']!r} disagree: send one", "reasoning_effort")
+    return {**kwargs, "reasoning_effort": effort}
+
+
 def prepare(pool: EnginePool, req: ChatCompletionRequest) -> g.Generation:
     """``prepare_with_tools`` for callers that answer with text only (a request whose output would be
     parsed into tool calls is refused rather than answered with the calls' raw text)."""
@@ -70,6 +94,8 @@ def prepare_with_tools(pool: EnginePool, req: ChatCompletionRequest) -> tuple[g.
     kwargs = template_kwargs(req.chat_template_kwargs)
     tokenizer_config = engine.info.get("tokenizer_config") or {}
     plan = plan_tools(req, tokenizer_config, engine.tokenizer)
+    if req.reasoning_effort is not None:
+        kwargs = with_reasoning_effort(req.reasoning_effort, tokenizer_config, plan.tools, kwargs)
     try:
         prompt = render_chat(tokenizer_config, _messages(req), add_generation_prompt=True, tools=plan.tools,
                              **kwargs)
@@ -80,11 +106,12 @@ def prepare_with_tools(pool: EnginePool, req: ChatCompletionRequest) -> tuple[g.
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = g.fit_max_tokens(engine, len(ids), asked, explicit=asked is not None)
     sampling = g.sampling_from_request(req, engine, max_tokens)
-    grammar = plan.grammar or grammar_for_response_format(req.response_format)
+    grammar = plan.grammar or grammar_for_response_format(req.response_format, engine.tokenizer)
     if grammar is not None:
         sampling["grammar"] = grammar
-    return g.Generation(engine, ids, sampling, g.stop_list(req.stop),
-                        skip_special_tokens=not plan.keep_special_tokens), plan
+    make_call = plan.parser.call_from_body if plan.parser is not None and plan.parser.structured else None
+    return g.Generation(engine, ids, sampling, g.stop_list(req.stop), skip_special_tokens=not plan.keep_special_tokens,
+                        make_call=make_call), plan
 
 
 async def create_chat_completion(pool: EnginePool, req: ChatCompletionRequest, is_disconnected=None):
@@ -97,7 +124,7 @@ async def create_chat_completion(pool: EnginePool, req: ChatCompletionRequest, i
         return chat_logprobs(entries or [], tokenizer) if gen.sampling.get("logprobs") is not None else None
 
     def choice(x: g.Generation) -> ChatChoice:
-        message, finish = answer_message(plan, x.text, x.finish_reason)
+        message, finish = answer_message(plan, x.text, x.finish_reason, x.calls)
         if x.reasoning:
             message.reasoning_content = x.reasoning
         return ChatChoice(index=x.index, message=message, logprobs=logprobs(x, x.logprobs), finish_reason=finish)
@@ -136,7 +163,7 @@ def _stream(gens: list[g.Generation], plan: ToolPlan, streams, model: str, respo
             if d.finish_reason:
                 yield chunk(gen.index, DeltaMessage(), d.finish_reason)
             return
-        content, done = tools.feed(d.text, final=d.finish_reason is not None)
+        content, done = tools.feed(d.text, d.finish_reason is not None, d.calls)
         if content or d.logprobs:
             yield chunk(gen.index, DeltaMessage(content=content), lp=logprobs(gen, d.logprobs))
         for i, call in enumerate(done):

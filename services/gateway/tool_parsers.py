@@ -8,6 +8,9 @@ A registry, one parser per family, chosen by the marker its chat template writes
     hermes   (Qwen2.5, Qwen3, the demo model)   <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>
                                                  one block per call, separated by newlines
     mistral  (Mixtral, Mistral)                  [TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]
+    harmony  (gpt-oss)                           <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>
+                                                 one message per call, found in the token stream, not in the text
+                                                 (services/gateway/reasoning.py); ``<|call|>`` ends generation
 
 Streaming (``ToolCallStream``): text before the family's start marker streams as content (a tail that
 could still become the marker is held back); from the marker on, each call is sent once it is complete,
@@ -23,6 +26,8 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
+from services.gateway.reasoning import CALL, CHANNEL, CONSTRAIN, END, MESSAGE, START
+
 
 @dataclass
 class ToolCall:
@@ -34,16 +39,14 @@ class ToolCall:
 def call_schema(tool: dict) -> dict:
     """The JSON schema of one call of ``tool`` (an OpenAI tools entry): {"name": const, "arguments": its
     parameters}, compact (no free whitespace, so a model cannot spend max_tokens on blanks)."""
-    fn = tool["function"]
-    params = fn.get("parameters") or {"type": "object", "properties": {}}
-    return {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
+    return {"type": "object", "properties": {"name": {"const": tool["function"]["name"]},
+                                             "arguments": call_args_schema(tool)},
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
 def _any_call(tools: list[dict]) -> dict:
     schemas = [call_schema(t) for t in tools]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    return {**schema, "x-guidance": {"whitespace_flexible": False}}
+    return _compact(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
 
 
 def _lark_literal(text: str) -> str:
@@ -69,6 +72,7 @@ class ToolParser:
 
     family = ""
     start = ""
+    structured = False  # True: the calls come parsed from the token stream (harmony), not from the text
 
     def detect(self, chat_template: str) -> bool:
         return self.start in chat_template
@@ -159,7 +163,69 @@ class MistralToolParser(ToolParser):
         return f'start: {self.marker(tokenizer)} " " %json {json.dumps(array)}\n'
 
 
-PARSERS: dict[str, ToolParser] = {p.family: p for p in (HermesToolParser(), MistralToolParser())}
+class HarmonyToolParser(ToolParser):
+    """gpt-oss: a call is a message addressed ``to=functions.NAME`` whose body is the arguments object.
+    The channel markers are special tokens the text never shows, so the gateway's HarmonySplitter finds
+    the calls on the token ids (``call_from_body`` turns each body into a ToolCall) and the text is only
+    the answer. The template writes ``<|call|>`` after an earlier call; nothing else writes it."""
+
+    family = "harmony"
+    start = "<|call|>"
+    structured = True
+
+    def calls(self, text: str, final: bool) -> list[ToolCall] | None:
+        return [] if not final else None  # never in the text
+
+    @staticmethod
+    def call_from_body(name: str, body: str) -> ToolCall | None:
+        """A call of ``name`` whose arguments are ``body``, or None when the body is not a JSON object."""
+        try:
+            args = json.loads(body)
+        except ValueError:
+            return None
+        return ToolCall(name, json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
+
+    def forced_grammar(self, tools: list[dict], parallel: bool, tokenizer) -> str:
+        """Free analysis messages (the model reasons first), then one call of one of ``tools``, as the
+        harmony format writes a call: one per turn whatever ``parallel`` says, since ``<|call|>`` ends it."""
+        m = harmony_markers(tokenizer)
+        calls = [f'{m[CHANNEL]} {_lark_literal("commentary to=functions." + t["function"]["name"] + " ")} '
+                 f'{m[CONSTRAIN]} "json" {m[MESSAGE]} %json {json.dumps(_compact(call_args_schema(t)))} {m[CALL]}'
+                 for t in tools]
+        return harmony_grammar(tokenizer, " | ".join(f"({c})" for c in calls))
+
+
+def call_args_schema(tool: dict) -> dict:
+    """The JSON schema of ``tool``'s arguments (an object with any keys when it declares none)."""
+    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+
+
+def _compact(schema: dict) -> dict:
+    return {**schema, "x-guidance": {"whitespace_flexible": False}}
+
+
+def harmony_markers(tokenizer) -> dict[str, str]:
+    """The harmony markers as Lark tokens (``<[id]>``); ValueError names a missing one."""
+    out = {}
+    for name in (CHANNEL, MESSAGE, END, START, CONSTRAIN, CALL):
+        tid = tokenizer.token_to_id(name)
+        if tid is None:
+            raise ValueError(f"the tokenizer has no {name} token, which the harmony format needs")
+        out[name] = f"<[{tid}]>"
+    return out
+
+
+def harmony_grammar(tokenizer, body: str) -> str:
+    """A grammar of a harmony reply: any number of free analysis messages, then the message ``body`` (its
+    header included), so that constrained decoding applies to the answer's message only."""
+    m = harmony_markers(tokenizer)
+    return (f"start: analysis* answer\n"
+            f"analysis: {m[CHANNEL]} \"analysis\" {m[MESSAGE]} ANALYSIS_TEXT {m[END]} {m[START]} \"assistant\"\n"
+            f"ANALYSIS_TEXT: /(?s:.*)/\n"  # any text: the special tokens are not text, so <|end|> ends it
+            f"answer: {body}\n")
+
+
+PARSERS: dict[str, ToolParser] = {p.family: p for p in (HermesToolParser(), MistralToolParser(), HarmonyToolParser())}
 
 
 def parser_for(chat_template: str) -> ToolParser | None:
@@ -178,9 +244,14 @@ class ToolCallStream:
         self.sent = 0  # calls sent
         self.at: int | None = None  # where the start marker is, once seen
 
-    def feed(self, delta: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+    def feed(self, delta: str, final: bool = False, calls: list[ToolCall] = ()) -> tuple[str, list[ToolCall]]:
         """Add generated text -> (content to stream now, calls completed now). ``final``: the last feed;
-        calls that turn out malformed are then streamed as content."""
+        calls that turn out malformed are then streamed as content. ``calls``: the delta's calls, for a
+        structured family (harmony), whose text is all content."""
+        if self.parser.structured:
+            new = list(calls) if self.parallel else list(calls)[:max(0, 1 - self.sent)]
+            self.sent += len(new)
+            return delta, new
         self.text += delta
         if self.at is None:
             at = self.text.find(self.parser.start, self.emitted)

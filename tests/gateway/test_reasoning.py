@@ -38,9 +38,9 @@ def _split(tok: Tokenizer, ids: list[int], cut: int) -> tuple[str, str]:
     splitter = harmony_splitter(tok)
     reasoning, answer = [], []
     for part in (ids[:cut], ids[cut:]):
-        r, a = splitter.feed(part)
-        reasoning += r
-        answer += a
+        parts = splitter.feed(part)
+        reasoning += parts.reasoning
+        answer += parts.answer
     return tok.decode(reasoning, skip_special_tokens=True), tok.decode(answer, skip_special_tokens=True)
 
 
