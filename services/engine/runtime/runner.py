@@ -106,7 +106,8 @@ class ModelRunner:
         ids = torch.ones(T, dtype=torch.long, device=self.device)
         pos = torch.arange(T, device=self.device)
         self.model(ids, pos, ForwardBatch(slots=[0], start_pos=[0], query_lens=[T]), self.kv)
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self._report("compiling", 2, 2)
         log.info("kernels warmed in %.1f s (%d expert-kernel calls, one %d-token prefill)",
                  time.perf_counter() - t0, calls, T)
