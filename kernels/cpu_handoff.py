@@ -1,5 +1,5 @@
 """Device side of the graph-mode CPU handoff (services/engine/moe/cpu_handoff.py GraphHandoff): two tiny
-single-program kernels that talk to the CPU executor's poller through pinned host words (UVA), so a
+kernels that talk to the CPU executor's poller through pinned host words (UVA), so a
 hybrid decode layer is all copies and kernels and can be captured in a CUDA graph.
 
 Dimension legend: T tokens · D hidden.
@@ -10,7 +10,9 @@ Dimension legend: T tokens · D hidden.
   latency on the GPU's timeline, in series with the CPU's work).
 - ``signal_cpu``: the word alone, for inputs the stream already copied down.
 - ``wait_cpu_add``: polls the host done word until it reaches seq, then out = part + cpu_out (cpu_out
-  [T, D] fp32 read from pinned memory with volatile loads: never a stale cached line of an earlier layer).
+  [T, D] fp32 read from pinned memory with volatile loads: never a stale cached line of an earlier layer);
+  one program per WAIT_BLOCK elements, each polling the word itself (many tokens per step: the read of
+  the CPU's output over PCIe is spread over programs instead of one).
   A bounded poll (``max_polls``) turns a lost CPU job into NaNs instead of a hung GPU.
 Both optionally stamp %globaltimer (ns) into pinned ``stamps [L, 3]``: signal, wait entry, wait exit —
 the GPU side's time (copy_missing + GEMM) and how long it waited for the CPU — and the wait mirrors the
@@ -25,6 +27,7 @@ from __future__ import annotations
 import torch
 
 JOB_SEQ_SHIFT = 20  # job word = seq << 20 | T << 10 | layer
+WAIT_BLOCK = 4096  # elements of the CPU's output added per program of wait_cpu_add (T = 32, D = 2048: 16 programs)
 _KERNELS = None
 
 
@@ -65,12 +68,14 @@ def _kernels():
     def _wait_add_kernel(seq_ptr, done_ptr, cpu_ptr, part_ptr, out_ptr, stamps_ptr, layer, n, max_polls,
                          misses_ptr, fetched_ptr, counters_ptr,
                          TIMER: tl.constexpr, COUNTERS: tl.constexpr, GPU: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)  # each program waits for the done word itself, then adds its BLOCK elements
+        first = pid == 0
         target = tl.load(seq_ptr)
         if COUNTERS:  # the layer's cumulative miss/fetch counters, mirrored to host memory
-            tl.store(counters_ptr + layer * 2, tl.load(misses_ptr + layer))
-            tl.store(counters_ptr + layer * 2 + 1, tl.load(fetched_ptr + layer))
+            tl.store(counters_ptr + layer * 2, tl.load(misses_ptr + layer), mask=first)
+            tl.store(counters_ptr + layer * 2 + 1, tl.load(fetched_ptr + layer), mask=first)
         if TIMER:
-            tl.store(stamps_ptr + layer * 3 + 1, _now())
+            tl.store(stamps_ptr + layer * 3 + 1, _now(), mask=first)
         done = tl.load(done_ptr, volatile=True)
         polls = tl.full([], 0, tl.int32)  # a tensor from the start: loop-carried types must not change
         while (done < target) & (polls < max_polls):
@@ -80,15 +85,14 @@ def _kernels():
             tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
                                       is_pure=False, pack=1)
         if TIMER:
-            tl.store(stamps_ptr + layer * 3 + 2, _now())
+            tl.store(stamps_ptr + layer * 3 + 2, _now(), mask=first)
         ok = done >= target
-        for i0 in range(0, n, BLOCK):
-            idx = i0 + tl.arange(0, BLOCK)
-            m = idx < n
-            c = tl.load(cpu_ptr + idx, mask=m, other=0.0, volatile=True)
-            p = tl.load(part_ptr + idx, mask=m, other=0.0).to(tl.float32)
-            r = tl.where(ok, p + c, float("nan"))
-            tl.store(out_ptr + idx, r.to(out_ptr.dtype.element_ty), mask=m)
+        idx = pid * BLOCK + tl.arange(0, BLOCK)
+        m = idx < n
+        c = tl.load(cpu_ptr + idx, mask=m, other=0.0, volatile=True)
+        p = tl.load(part_ptr + idx, mask=m, other=0.0).to(tl.float32)
+        r = tl.where(ok, p + c, float("nan"))
+        tl.store(out_ptr + idx, r.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _stage_signal_kernel(seq_ptr, job_ptr, stamps_ptr, code, layer, h_src, h_dst, n_h, i_src, i_dst, w_src, w_dst,
@@ -157,9 +161,12 @@ def wait_cpu_add(seq: torch.Tensor, done_word: torch.Tensor, cpu_out: torch.Tens
     n = part.numel()
     timer = stamps is not None
     misses, fetched, mirror = counters if counters is not None else (seq, seq, None)
-    wait_add[(1,)](seq, host_arg(wait_add, done_word), host_arg(wait_add, cpu_out), part.contiguous(), out,
+    block = min(WAIT_BLOCK, triton.next_power_of_2(n))
+    # one program per block: reading the CPU's output from pinned memory is latency-bound per program
+    # (one program read [32, 2048] fp32, 256 KB, over PCIe far slower than the link allows)
+    wait_add[(triton.cdiv(n, block),)](seq, host_arg(wait_add, done_word), host_arg(wait_add, cpu_out), part.contiguous(), out,
                    host_arg(wait_add, stamps) if timer else seq, layer, n, max_polls,
                    misses, fetched, host_arg(wait_add, mirror) if mirror is not None else seq,
                    TIMER=timer, COUNTERS=counters is not None, GPU=type(wait_add).__name__ != "InterpretedFunction",
-                   BLOCK=min(4096, triton.next_power_of_2(n)))
+                   BLOCK=block)
     return out

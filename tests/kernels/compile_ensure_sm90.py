@@ -1,4 +1,5 @@
-"""Compile the expert-cache kernels (kernels/ensure_experts*.py, lru and lfu) for sm_90 with the Triton
+"""Compile the expert-cache kernels (kernels/ensure_experts*.py, lru and lfu) and the graph handoff's wait
+kernel (kernels/cpu_handoff.py) for sm_90 with the Triton
 wheel's own ptxas, no GPU needed: what the interpreter lets through but the compiler rejects (a branch on a
 reduced value, a loop of runtime length) fails here. Run by test_compile_sm90.py in a process of its own,
 since the kernel tests' TRITON_INTERPRET must stay unset here; prints one line per compiled kernel."""
@@ -13,11 +14,12 @@ from triton.compiler import ASTSource
 
 assert not os.environ.get("TRITON_INTERPRET"), "the compiler, not the interpreter: unset TRITON_INTERPRET"
 
+import kernels.cpu_handoff as handoff  # noqa: E402
 import kernels.ensure_experts as ensure  # noqa: E402
 import kernels.ensure_experts_hybrid as hybrid  # noqa: E402
 from kernels.ensure_experts_ref import USE_CAP, USE_SHIFT, CacheState  # noqa: E402
 
-POINTER = {torch.int32: "*i32", torch.int64: "*i64"}
+POINTER = {torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32", torch.bfloat16: "*bf16"}
 TARGET = GPUTarget("cuda", 90, 32)  # the H200
 
 
@@ -48,6 +50,13 @@ def main() -> None:
                                    "f_q16_ptr": torch.zeros(1, dtype=torch.int32)},
                            dict(BLOCK_N=8, BLOCK_E=128, LFU=lfu, USE_CAP=USE_CAP))
         print(f"split_misses lfu={lfu}: {n} bytes")
+    # the graph handoff's wait (one program per block of the CPU's output, each polling the done word)
+    i64, f32, bf16 = (torch.zeros(1, dtype=t) for t in (torch.int64, torch.float32, torch.bfloat16))
+    n = compile_kernel(handoff._kernels()[1],
+                       {"seq_ptr": i64, "done_ptr": i64, "cpu_ptr": f32, "part_ptr": bf16, "out_ptr": bf16,
+                        "stamps_ptr": i64, "misses_ptr": i64, "fetched_ptr": i64, "counters_ptr": i64},
+                       dict(TIMER=True, COUNTERS=True, GPU=True, BLOCK=handoff.WAIT_BLOCK))
+    print(f"wait_cpu_add lfu=None: {n} bytes")
 
 
 if __name__ == "__main__":

@@ -269,9 +269,14 @@ def test_device_handoff_matches_reference(executors, fast):
 
 
 @CPU_PLAYS_THE_DEVICE
-def test_graph_handoff_protocol(executors):
+@pytest.mark.parametrize("wait_block", [4096, 32], ids=["one-program", "programs-per-block"])
+def test_graph_handoff_protocol(executors, wait_block, monkeypatch):
     """Job word -> poller -> done word -> add, on the CPU (the kernels interpreted, the stream's order
-    played by the test: the interpreter copies arguments, so the wait kernel runs once the CPU is done)."""
+    played by the test: the interpreter copies arguments, so the wait kernel runs once the CPU is done).
+    wait_block 32: the wait kernel's output split over up to 5 programs, each waiting for the word."""
+    import kernels.cpu_handoff
+
+    monkeypatch.setattr(kernels.cpu_handoff, "WAIT_BLOCK", wait_block)
     L, E, D, I, A = 3, 6, 40, 24, 2
     g = torch.Generator().manual_seed(3)
     banks = ExpertBanks.allocate(ExpertFormat.UNQUANTIZED, L, E, D, I, torch.float32)
