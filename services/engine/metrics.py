@@ -204,13 +204,15 @@ class EngineMetrics:
 
 
 def _flatten(stats: Mapping) -> dict:
-    """Top-level keys plus those of nested dicts one level down (top level wins); "per_layer" stays whole."""
+    """Top-level keys plus those of nested dicts one level down (top level wins); "per_layer" and
+    "buckets" stay whole."""
+    whole = ("per_layer", "buckets")
     flat: dict = {}
     for key, value in stats.items():
-        if isinstance(value, Mapping) and key != "per_layer":
+        if isinstance(value, Mapping) and key not in whole:
             for inner_key, inner in value.items():
                 flat.setdefault(inner_key, inner)
-    flat.update({k: v for k, v in stats.items() if not (isinstance(v, Mapping) and k != "per_layer")})
+    flat.update({k: v for k, v in stats.items() if not (isinstance(v, Mapping) and k not in whole)})
     return flat
 
 

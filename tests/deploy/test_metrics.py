@@ -71,6 +71,29 @@ def test_per_layer_stats_replace_the_total():
     assert value("tandem_expert_hits_total", model_name=model, layer="all") is None  # no double count
 
 
+def test_split_buckets_become_gauges_per_bucket():
+    """hybrid's per-bucket split (top level after flat_backend_stats) and auto's (nested, offload running)."""
+    from services.engine.reports import flat_backend_stats
+
+    model = fresh("m")
+    metrics = EngineMetrics(model)
+    hybrid = {"backend": "hybrid", "cache": {"hits": 1, "misses": 1}, "split": {"fetch_fraction": 0.4},
+              "buckets": {"1": {"mode": "hybrid", "fetch_fraction": 0.375, "seconds_per_token": 0.012},
+                          "16": {"mode": "offload", "fetch_fraction": 1.0, "seconds_per_token": 0.004},
+                          "prefill": {"mode": "offload", "fetch_fraction": 1.0, "seconds_per_token": None}},
+              "auto": {"buckets": {"1": {"fetch_fraction": 0.9}}}}
+    metrics.record_backend_stats(flat_backend_stats(hybrid))
+    assert value("tandem_hybrid_bucket_fetch_fraction", model_name=model, bucket="1") == pytest.approx(0.375)
+    assert value("tandem_hybrid_bucket_fetch_fraction", model_name=model, bucket="16") == 1.0
+    assert value("tandem_hybrid_bucket_seconds_per_token", model_name=model, bucket="16") == pytest.approx(0.004)
+    assert value("tandem_hybrid_bucket_fetch_fraction", model_name=model, bucket="prefill") == 1.0
+    assert value("tandem_hybrid_bucket_seconds_per_token", model_name=model, bucket="prefill") is None
+    other = fresh("m")
+    EngineMetrics(other).record_backend_stats(flat_backend_stats(
+        {"backend": "offload", "auto": {"buckets": {"4": {"mode": "offload", "fetch_fraction": 1.0}}}}))
+    assert value("tandem_hybrid_bucket_fetch_fraction", model_name=other, bucket="4") == 1.0
+
+
 def test_serving_metrics_and_exposition():
     model = fresh("m")
     metrics = EngineMetrics(model)
