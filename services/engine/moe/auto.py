@@ -28,7 +28,7 @@ from services.common.logging import get_logger
 from services.common.profiles import auto_backend, expected_misses_per_layer, normalize_uuid
 from services.engine.config import MoEBackend
 from services.engine.moe.backends import BackendContext, ExpertBackend, register_backend
-from services.engine.moe.hybrid import HybridBackend, profile_prior
+from services.engine.moe.hybrid import SPLIT_MAX_DECODE, HybridBackend, profile_prior
 from services.engine.moe.offload import OffloadBackend, kv_reserve_bytes
 from services.engine.moe.sizing import CacheGeometry, decide_cache_size
 from services.engine.moe.split_buckets import bucket_name, next_pow2
@@ -58,7 +58,8 @@ class AutoBackend:
         # sized once: both candidates get the same slots, so a switch on reload keeps the VRAM budget
         self.num_slots = decide_cache_size(ctx.config, self.geometry, ctx.device, ctx.weight_bytes_on_device,
                                            kv_reserve_bytes(ctx)).slots
-        self.decode_cap = next_pow2(max(1, ctx.config.max_running_requests))  # bucket names as hybrid's
+        # bucket names as hybrid's (split_buckets.py)
+        self.decode_cap = next_pow2(max(1, min(ctx.config.max_running_requests, SPLIT_MAX_DECODE)))
         self.decision, self.profile_path = self._decide()
         self.inner: ExpertBackend = self._build(self.decision.backend)
         self._start_trial()

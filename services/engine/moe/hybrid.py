@@ -64,6 +64,8 @@ log = get_logger("moe.hybrid")
 # chunks take the offload path: at 256 tokens x top-8 over 128 experts each expert has ~16 tokens, the
 # CPU's share is arithmetic, not a DRAM stream, and the handoff's pinned rows stay small (256 x D)
 SPLIT_MAX_TOKENS = 256
+# decode batches above this take the offload path too: the graph handoff's job word carries T in 10 bits
+SPLIT_MAX_DECODE = 512
 
 
 def profile_prior(ctx: BackendContext) -> dict:
@@ -134,7 +136,8 @@ class HybridBackend:
         # pinned host memory (the split kernel reads its bucket's through UVA), so a plain store between
         # two replays changes them, and no CUDA call can land inside a capture
         self._tunable = mode is MoEBackend.HYBRID and self.max_fetch < 0
-        self.buckets = SplitBuckets(self._make_controller, ctx.config.max_running_requests, SPLIT_MAX_TOKENS,
+        self.buckets = SplitBuckets(self._make_controller, min(ctx.config.max_running_requests, SPLIT_MAX_DECODE),
+                                    SPLIT_MAX_TOKENS,
                                     self._tunable, self.graph_mode, ctx.device)
         self.handoff = None
         if ctx.device.type == "cuda":
@@ -275,7 +278,7 @@ class HybridBackend:
     def _observe_step(self, seconds: float, tokens: int) -> None:
         bucket = self.buckets.index(tokens) if tokens > 0 else None
         if bucket is None:  # nothing ran or a long prompt chunk (offload path, not tuned)
-            self._graph_prev = None if self.graph_mode else self._graph_prev
+            self._graph_prev = None  # graph mode: the next step starts a new baseline (offload ran no jobs)
             return
         if self.graph_mode:
             self._observe_graph_step(bucket)
