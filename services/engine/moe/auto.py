@@ -166,6 +166,11 @@ class AutoBackend:
         """Read by the runner: whether decode steps may be captured (the inner backend's answer)."""
         return getattr(self.inner, "cuda_graph_safe", isinstance(self.inner, OffloadBackend))
 
+    def warm(self, hidden: torch.Tensor) -> int:
+        """Compile the inner backend's kernels before serving (runner.warm_up)."""
+        warm = getattr(self.inner, "warm", None)
+        return warm(hidden) if warm is not None else 0
+
     def forward(self, moe_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         """hidden [T, D] · topk_ids [T, A] int64 · topk_weights [T, A] -> [T, D]."""

@@ -253,6 +253,24 @@ class HybridBackend:
             self.routes["cpu"] = self.handoff.poll_stats()["routes"] - self._routes_at_start
         return out
 
+    def warm(self, hidden: torch.Tensor) -> int:
+        """Compile before serving (runner.warm_up): the GPU expert kernels on the slot banks (offload's warm)
+        and, in graph mode, the split and handoff kernels at every size class of T up to max_tokens (their
+        block sizes follow T), through a layer call whose routes are all skipped (-1): no expert present,
+        an empty CPU job, the cache untouched. Returns the calls made."""
+        calls = self.offload.warm(hidden)
+        if not self.graph_mode:  # eager mode times its steps per call: a warm call would count as one
+            return calls
+        D, A = hidden.shape[1], self.handoff.A
+        sizes = sorted({1, 3} | {1 << i for i in range(self.buckets.max_tokens.bit_length())} | {self.buckets.max_tokens})
+        for T in (t for t in sizes if t <= self.buckets.max_tokens):
+            x = hidden[:1].expand(T, D).contiguous()
+            ids = torch.full((T, A), -1, dtype=torch.int64, device=hidden.device)
+            self._forward_graph(0, x, ids, torch.zeros(T, A, device=hidden.device))
+            calls += 1
+        torch.cuda.synchronize(self.device)
+        return calls
+
     def _prefetch_reserve(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor):
         """After this layer's own copy (--moe-prefetch): wait for its prefetched experts, reserve the next
         layer's. Returns the prefetcher whose ``copy_ahead`` the caller starts once the CPU's part is in."""

@@ -263,6 +263,10 @@ def test_graph_mode_captures_the_split_at_many_tokens(T, hf_checkpoints):
         w.copy_(torch.rand(T, A, generator=g))
 
     try:
+        state = backend.cache.state
+        counters = [int(state.misses.sum()), int(state.hits.sum()), backend.handoff.poll_stats()["routes"]]
+        assert backend.warm(h[:1]) > 0  # every size class compiled, through skipped routes only:
+        assert [int(state.misses.sum()), int(state.hits.sum()), backend.handoff.poll_stats()["routes"]] == counters
         fill()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
