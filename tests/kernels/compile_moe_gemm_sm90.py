@@ -35,10 +35,14 @@ def compile_kernel(kernel, pointers: dict[str, str], constexprs: dict, num_warps
 
 
 def main() -> None:
-    n = compile_kernel(mg._place_kernel, {"ids_ptr": "*i32", "first_row_ptr": "*i32", "routes_ptr": "*i32"},
-                       {"BLOCK_R": 256}, 4, 3)
-    print(f"place: {n} bytes")
-    n = compile_kernel(mg._combine_kernel, {"y_ptr": "*fp32", "ids_ptr": "*i32", "out_ptr": "*bf16"},
+    n = compile_kernel(mg._count_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32"}, {"BLOCK_R": 256}, 4, 3)
+    print(f"count: {n} bytes")
+    for block_m in sorted({cfg.block_m for cfg in mg.all_configs(torch.device("cpu"))}):
+        n = compile_kernel(mg._place_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "routes_ptr": "*i32",
+                                              "tiles_ptr": "*i32"}, {"BLOCK_M": block_m, "BLOCK_R": 256,
+                                                                     "BLOCK_E": 256}, 4, 3)
+        print(f"place m{block_m}: {n} bytes")
+    n = compile_kernel(mg._combine_kernel, {"y_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": "*bf16"},
                        {"BLOCK": 256}, 4, 3)
     print(f"combine: {n} bytes")
     for fmt, w, s in (("bf16", "*bf16", "*bf16"), ("fp8", "*fp8e4nv", "*fp32")):

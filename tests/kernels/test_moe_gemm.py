@@ -38,7 +38,8 @@ def _case(T, A, E, D, I, seed, dtype, device, skip=True, bias=False):
     return args, (biases if bias else None)
 
 
-@pytest.mark.parametrize("R, E, block_m", [(1, 4, 16), (8, 128, 16), (37, 3, 16), (300, 8, 64), (5, 5, 16)])
+@pytest.mark.parametrize("R, E, block_m", [(1, 4, 16), (8, 128, 16), (37, 3, 16), (300, 8, 64), (5, 5, 16),
+                                           (600, 300, 16), (700, 2, 16)])  # E > BLOCK_E; many tiles of one expert
 def test_alignment_puts_every_route_once_in_a_tile_of_its_expert(R, E, block_m):
     g = torch.Generator().manual_seed(R)
     ids = torch.randint(-1, E, (R,), generator=g).to(kernel_device())
@@ -48,11 +49,12 @@ def test_alignment_puts_every_route_once_in_a_tile_of_its_expert(R, E, block_m):
     routes, tile_expert, ids = routes.cpu().view(NT, block_m), tile_expert.cpu(), ids.cpu()
     seen = []
     for m in range(NT):
-        rows = routes[m][routes[m] < R]
-        if tile_expert[m] < 0:
-            assert rows.numel() == 0, "an unused tile holds routes"
+        if tile_expert[m] < 0:  # its rows are never read (unset)
             continue
+        assert ((routes[m] >= 0) & (routes[m] <= R)).all(), "a row of a used tile is neither a route nor padding"
+        rows = routes[m][routes[m] < R]
         assert rows.numel() > 0, "a used tile holds no route"
+        assert torch.equal(routes[m][:rows.numel()], rows), "padding before a route"
         assert (ids[rows.long()] == tile_expert[m]).all(), "a route sits in another expert's tile"
         assert torch.equal(rows, rows.sort().values), "routes of a tile are out of route order"
         seen += rows.tolist()
