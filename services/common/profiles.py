@@ -82,6 +82,15 @@ class Concurrent(_Model):
     cpu_ov: float = Field(gt=0)
 
 
+class P2PLink(_Model):
+    """One ordered GPU pair's device-to-device copy rate (GB/s), src's memory into dst's: the peer tier's
+    fetch path (docs/multi-gpu.md)."""
+
+    src: str  # GPU uuid
+    dst: str
+    gbps: float = Field(gt=0)
+
+
 class Geometry(_Model):
     model: str
     num_layers: int = Field(ge=1)
@@ -103,6 +112,7 @@ class Profile(_Model):
     c_sync_s: float = Field(ge=0)  # per-layer CPU submit + sync cost of the hybrid path
     geometry: Geometry
     threshold: float = Field(DEFAULT_THRESHOLD, gt=0)  # required predicted speedup of hybrid over offload
+    p2p: list[P2PLink] = []  # every ordered pair of this host's GPUs (none with one GPU)
 
     @property
     def has_gpu(self) -> bool:

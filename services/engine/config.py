@@ -95,6 +95,14 @@ class EngineConfig:
     moe_prefetch: int = field(0, help="offload/hybrid: most experts per token copied ahead for the next layer while this "
                                       "one computes: the likeliest uncached ones of its routing as predicted by its "
                                       "router on this layer's input (at most top-k); 0 = off")
+    moe_peer_devices: str = field("", help="offload/cpu/hybrid/auto: other GPUs whose VRAM holds a second tier of "
+                                  "expert slots, comma-separated (cuda:1,cuda:2); a miss held there is copied "
+                                  "device to device (NVLink/P2P) instead of over PCIe. A peer equal to the home "
+                                  "device (cuda:0 beside --device cuda on cuda:0; cpu for --device cpu) simulates "
+                                  "one with a second pool there; empty = off (docs/multi-gpu.md)")
+    moe_peer_memory: float | None = field(None, help="--moe-peer-devices: GiB of expert slots on each peer; unset = "
+                                          "the peer's free VRAM less headroom (a CPU peer: every expert; a peer "
+                                          "on the home GPU needs it)")
     decode_overlap: DecodeOverlap = field(DecodeOverlap.AUTO, help="launch each decode step before the host reads the "
                                           "previous step's tokens (they feed the next step on the device), so stop "
                                           "checks, streaming and HTTP run while the GPU computes: auto = when the step "
@@ -153,6 +161,7 @@ class EngineConfig:
             raise ValueError(f"--moe-cpu-threads must be 0 (one per physical core) or positive, got {self.moe_cpu_threads}")
         if self.moe_prefetch < 0:
             raise ValueError(f"--moe-prefetch must be 0 (off) or positive, got {self.moe_prefetch}")
+        self._check_peer_flags()
         if self.gpu_memory_limit is not None and self.gpu_memory_limit <= 0:
             raise ValueError(f"--gpu-memory-limit must be positive GiB, got {self.gpu_memory_limit}")
         if self.max_prefill_tokens is not None and self.max_prefill_tokens <= 0:
@@ -160,3 +169,21 @@ class EngineConfig:
         for name in ("max_running_requests", "max_waiting_requests", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+
+    def _check_peer_flags(self) -> None:
+        """--moe-peer-devices names devices of the engine's kind (checked against the host when the cache
+        is built: services/engine/moe/peer_cache.py) and needs a slot cache to extend."""
+        names = [n.strip() for n in self.moe_peer_devices.split(",") if n.strip()]
+        if self.moe_peer_memory is not None and (self.moe_peer_memory <= 0 or not names):
+            raise ValueError(f"--moe-peer-memory {self.moe_peer_memory}: needs --moe-peer-devices and a positive GiB")
+        if not names:
+            return
+        kind = "cuda" if self.device is Device.CUDA else "cpu"
+        for n in names:
+            ok = n == "cpu" if kind == "cpu" else n.startswith("cuda:") and n[5:].isdigit()
+            if not ok:
+                raise ValueError(f"--moe-peer-devices {self.moe_peer_devices!r}: {n!r} is not a "
+                                 f"{'cuda:N GPU' if kind == 'cuda' else 'cpu (simulated) peer'} for --device {kind}")
+        if self.moe_backend is MoEBackend.RESIDENT:
+            raise ValueError("--moe-peer-devices extends the expert cache; --moe-backend resident has none "
+                             "(use offload, hybrid, cpu or auto)")

@@ -116,9 +116,19 @@ def measure(args: argparse.Namespace, geo: Geometry, dtypes: list[str], gpu: hos
     def ceilings_gpu() -> None:
         results["h2d"], results["d2h"] = probes.linear_copy(buf, dev, secs)
 
+    def p2p() -> None:  # every ordered pair of this host's GPUs: the peer tier's rates
+        n = torch.cuda.device_count()
+        uuids = [P.normalize_uuid(str(torch.cuda.get_device_properties(i).uuid)) for i in range(n)]
+        links = probes.p2p_links([torch.device("cuda", i) for i in range(n)], min(buf, 256 << 20))
+        results["p2p"] = [P.P2PLink(src=uuids[i], dst=uuids[j], gbps=g) for i, j, g in links]
+
     steps.append(("cpu read", ceilings_cpu))
     if dev is not None:
         steps.append(("linear H2D/D2H", ceilings_gpu))
+        if torch.cuda.device_count() > 1:
+            steps.append(("P2P pairs", p2p))
+        else:
+            log.info("one GPU: no P2P pair to measure (the profile's p2p stays empty)")
     for name in dtypes:
         def kernels(name: str = name) -> None:
             dtype = getattr(torch, name)
@@ -160,7 +170,7 @@ def measure(args: argparse.Namespace, geo: Geometry, dtypes: list[str], gpu: hos
         geometry=P.Geometry(model=args.model, num_layers=geo.num_layers, num_experts=geo.num_experts,
                             top_k=geo.top_k, hidden_size=geo.hidden_size,
                             moe_intermediate_size=geo.moe_intermediate_size),
-        threshold=args.threshold,
+        threshold=args.threshold, p2p=results.get("p2p", []),
     ), results["expert_bytes"]
 
 
@@ -179,6 +189,8 @@ def format_table(profile: P.Profile, expert_bytes: int) -> str:
         rows.append(f"{name:<12}{g(k.cpu_executor_bs1):>9}{g(k.pcie_gather):>12}{g(ov and ov.pcie_ov):>9}"
                     f"{g(ov and ov.cpu_ov):>9}  {k.cpu_kernel}/{k.gather_kernel or '-'}")
     rows.append(f"c_sync {profile.c_sync_s * 1e6:.1f} us per layer")
+    for link in profile.p2p:
+        rows.append(f"P2P {link.src} -> {link.dst}: {link.gbps:.1f} GB/s")
     geo = profile.geometry
     for rate in (0.25, 0.5, 0.75):
         m = P.expected_misses_per_layer(geo.top_k, rate)

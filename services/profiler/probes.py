@@ -368,3 +368,15 @@ def have_module(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:
         return False
+
+
+# ------------------------------------------------------------------------------------------------ P2P
+
+def p2p_links(devices: list[torch.device], buffer_bytes: int) -> list[tuple[int, int, float]]:
+    """(src, dst, GB/s) of one linear device-to-device copy for every ordered pair of ``devices`` (indices
+    into the list): the peer tier's fetch path (docs/multi-gpu.md). One device has no pair: []. A device
+    listed twice measures a copy within it (a simulated pair, as the engine's simulated peers)."""
+    from services.engine.moe.peer_cache import measure_copy_gbps
+
+    return [(i, j, measure_copy_gbps(src, dst, buffer_bytes))
+            for i, src in enumerate(devices) for j, dst in enumerate(devices) if i != j]

@@ -60,6 +60,7 @@ class ExpertCache:
         self.use_triton = self.device.type == "cuda" if use_triton is None else use_triton
         self.lfu, self.use_cap = lfu, use_cap
         self.expert_nbytes = self.plan.expert_nbytes()
+        self.peer = None  # the slots on other GPUs (--moe-peer-devices): a PeerTier, set by the backend
 
     @property
     def num_slots(self) -> int:
@@ -90,6 +91,8 @@ class ExpertCache:
         from kernels.gather_copy import copy_missing
 
         s = self.state if state is None else state
+        if self.peer is not None:  # from a peer GPU's slot where one holds the expert, else from the host
+            return self.peer.copy_missing(s, max_jobs, self.use_triton)
         copy_missing(self.plan, s.job_src, s.job_dst, s.job_count, self.copy_mode, max_jobs, self.use_triton)
 
     def stats(self) -> dict:
@@ -97,7 +100,8 @@ class ExpertCache:
         counters = torch.stack([self.state.hits, self.state.misses, self.state.fetched]).cpu()  # [3, L]
         hits, misses, fetched = (row.tolist() for row in counters)
         lookups = sum(hits) + sum(misses)
-        return {
+        peer = self.peer.stats() if self.peer is not None else None
+        out = {
             "slots": self.num_slots,
             "slot_bytes": self.slot_nbytes(),
             "share_of_experts": self.num_slots / (self.num_layers * self.num_experts),
@@ -112,3 +116,9 @@ class ExpertCache:
             "hit_rate": sum(hits) / lookups if lookups else 0.0,
             "per_layer": {"hits": hits, "misses": misses, "fetched": fetched},
         }
+        if peer is not None:  # fetched = from a peer GPU (peer_fetched) + from the host over PCIe
+            host = max(0, out["fetched"] - peer["peer_fetched"])  # prefetched peer copies count in peer_fetched only
+            out.update(peer=peer, peer_fetched=peer["peer_fetched"], host_fetched=host,
+                       bytes_fetched=host * self.expert_nbytes)
+            out["per_layer"]["peer_fetched"] = peer.pop("per_layer_peer_fetched")
+        return out

@@ -55,6 +55,7 @@ from services.engine.moe.cpu_executor import CpuExecutor, default_num_threads
 from services.engine.moe.cpu_handoff import DeviceHandoff, GraphHandoff
 from services.engine.moe.offload import OffloadBackend
 from services.engine.moe.resident import fp8_scales, moe_compute
+from services.engine.moe.peer_split import make_split_controller
 from services.engine.moe.split import DEFAULT_FRACTION, Q16, SplitController
 from services.engine.moe.split_buckets import TUNE_AFTER_STEPS, SplitBuckets  # noqa: F401 (re-exported)
 
@@ -158,7 +159,7 @@ class HybridBackend:
         prior = dict(self._prior)
         if bucket == "prefill" and self._tunable:
             prior["prior_fraction"] = 1.0
-        controller = SplitController(self.expert_bytes, **prior)
+        controller = make_split_controller(self.cache, self.expert_bytes, **prior)  # 3 paths with a peer tier
         controller.c_sync_s = getattr(self, "c_sync_calibrated", controller.c_sync_s)
         return controller
 
@@ -285,6 +286,7 @@ class HybridBackend:
         steps). Graph mode feeds the bucket's cost model here (replays run no Python per layer); both
         modes then let the bucket's tuner move its f on the time per token. Host memory only in graph
         mode (the executor's totals, the pinned stamps and counters). Never asks for a rebuild."""
+        self.offload.observe_decode_step(seconds, tokens)  # the peer tier's placement refresh
         self._observe_step(seconds, tokens)
         return False
 

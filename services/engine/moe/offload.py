@@ -19,6 +19,7 @@ from services.common.logging import get_logger
 from services.engine.config import CachePolicy, MoEBackend
 from services.engine.moe.backends import BackendContext, register_backend
 from services.engine.moe.cache import ExpertCache
+from services.engine.moe.peer_cache import make_peer_tier
 from services.engine.moe.prefetch import NextLayerPrefetch, read_ahead_possible
 from services.engine.moe.resident import GATHER_MAX_ROUTES, fp8_scales, moe_compute, moe_decode
 from services.engine.moe.sizing import CacheGeometry, decide_cache_size
@@ -51,6 +52,7 @@ class OffloadBackend:
         self.cache = ExpertCache(banks, num_slots, ctx.device, use_triton,
                                  lfu=ctx.config.moe_cache_policy is CachePolicy.LFU,
                                  use_cap=ctx.config.moe_cache_lfu_cap)
+        self.cache.peer = make_peer_tier(ctx, self.cache)  # --moe-peer-devices: slots on other GPUs
         self.prefetch = make_prefetch(ctx, self.cache)
         self.act = banks.activation  # gpt-oss: clamped SwiGLU, and bias banks mirrored in the slots too
         slots = self.cache.slot_banks
@@ -87,6 +89,13 @@ class OffloadBackend:
         slots = self.cache.slot_banks
         return moe_decode.warm(hidden, self.top_k, slots["gate_up"], slots["down"], self.act, self.bias,
                                **self.scales)
+
+    def observe_decode_step(self, seconds: float, tokens: int) -> bool:
+        """After each decode step (the engine; hybrid calls it too): the peer tier's placement refresh.
+        Never asks for a rebuild."""
+        if self.cache.peer is not None and tokens > 0:
+            self.cache.peer.observe_step()
+        return False
 
     def stats(self) -> dict:
         prefetch = self.prefetch.stats() if self.prefetch is not None else None

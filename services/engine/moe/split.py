@@ -127,6 +127,11 @@ class SplitController:
         """A measured per-layer submit + sync cost (calibration or online)."""
         self.c_sync_s = self._ewma(self.c_sync_s or None, max(0.0, seconds))
 
+    def cost_model(self) -> CostModel:
+        """The model the target comes from, at the current estimates (a peer tier adds a third path:
+        services/engine/moe/peer_split.py)."""
+        return CostModel(self.expert_bytes, self.pcie_bps, self.cpu_bps, self.c_sync_s)
+
     def observe(self, *, layers: int, misses: int, fetched: int, fetch_s: float, cpu_experts: int,
                 cpu_s: float, cpu_layers: int = 0, sync_s: float = 0.0) -> None:
         """One decode step, summed over its ``layers`` MoE layers: ``misses`` (M, all cache misses),
@@ -147,8 +152,7 @@ class SplitController:
         if layers > 0:
             self.misses_per_layer = self._ewma(self.misses_per_layer, misses / layers)
         if self.pcie_bps and self.cpu_bps and self.misses_per_layer:
-            model = CostModel(B, self.pcie_bps, self.cpu_bps, self.c_sync_s)
-            self.target = model.balanced_fraction(self.misses_per_layer)
+            self.target = self.cost_model().balanced_fraction(self.misses_per_layer)
             self.fraction += self.gain * (self.target - self.fraction)
             if self.target >= 1.0 and self.fraction > 0.999:
                 self.fraction = 1.0  # settle exactly: f_q16 = 65536 lets the backend skip the CPU submit
