@@ -136,6 +136,8 @@ def engine_summary(stats: dict) -> dict:
         "fetch_fraction": experts.get("fetch_fraction"),
         "cache_policy": experts.get("policy"),  # --moe-cache-policy (None: resident, no cache)
         "prefetched": experts.get("prefetched"),  # --moe-prefetch: experts copied ahead (not counted as misses)
+        # --moe-peer-devices: share of the fetched misses copied from a peer GPU instead of the host
+        "peer_share": experts["peer_fetched"] / fetched if experts.get("peer_fetched") is not None and fetched else None,
         "vram_gib": stats.get("vram_gib"),
         "split": experts.get("split"),  # hybrid/cpu: the controller's measured rates, c_sync, target
         "auto": experts.get("auto"),  # auto: the profile's choice and the online verdict

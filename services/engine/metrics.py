@@ -52,6 +52,9 @@ EXPERT_FETCHED = Counter("tandem_expert_fetched_total",
                          "Missing experts copied host->GPU over PCIe and computed on the GPU.", _ML)
 EXPERT_CPU_COMPUTED = Counter("tandem_expert_cpu_computed_total",
                               "Missing experts computed in place by the CPU executor (no copy).", _ML)
+EXPERT_PEER_FETCHED = Counter("tandem_expert_peer_fetched_total",
+                              "Missing experts copied from a peer GPU's slots (--moe-peer-devices) instead of the "
+                              "host; also counted in tandem_expert_fetched_total.", _ML)
 EXPERT_FETCHED_BYTES = Counter("tandem_expert_fetched_bytes_total",
                                "Bytes of expert weights copied host->GPU for cache misses.", _M)
 EXPERT_PREFETCHED = Counter("tandem_expert_prefetched_total",
@@ -105,6 +108,7 @@ _BACKEND_COUNTERS: dict[str, tuple[Counter, bool]] = {
     "misses": (EXPERT_MISSES, True),
     "fetched": (EXPERT_FETCHED, True),
     "cpu_computed": (EXPERT_CPU_COMPUTED, True),
+    "peer_fetched": (EXPERT_PEER_FETCHED, True),
     "bytes_fetched": (EXPERT_FETCHED_BYTES, False),
     "prefetched": (EXPERT_PREFETCHED, False),
     "worker_preemptions": (CPU_WORKER_PREEMPTIONS, False),

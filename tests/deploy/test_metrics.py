@@ -32,6 +32,18 @@ def fresh(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
+def test_peer_fetched_counts_per_layer():
+    """--moe-peer-devices: the cache's peer copies per layer (nested as the offload backend nests them)."""
+    model = fresh("peer")
+    metrics = EngineMetrics(model)
+    metrics.record_backend_stats({"backend": "offload", "cache": {
+        "hits": 4, "misses": 5, "fetched": 5, "peer_fetched": 3, "slots": 8, "peer": {"peer_slots": 16},
+        "per_layer": {"hits": [1, 3], "misses": [2, 3], "fetched": [2, 3], "peer_fetched": [1, 2]}}})
+    assert value("tandem_expert_peer_fetched_total", model_name=model, layer="0") == 1
+    assert value("tandem_expert_peer_fetched_total", model_name=model, layer="1") == 2
+    assert value("tandem_expert_cache_slots", model_name=model) == 8  # the home slots, not the peer's
+
+
 def test_backend_stats_become_counter_increments():
     model = fresh("m")
     metrics = EngineMetrics(model)

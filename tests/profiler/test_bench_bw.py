@@ -30,7 +30,7 @@ def test_cpu_only_run_writes_a_valid_profile(tmp_path, capsys):
     assert "profile written" in out and "cpu read" in out
     if not torch.cuda.is_available():
         assert profile.gpu.uuid == P.cpu_uuid() and not profile.has_gpu
-        assert profile.ceilings.h2d is None and profile.concurrent == {}
+        assert profile.ceilings.h2d is None and profile.concurrent == {} and profile.p2p == []
         assert "CPU only" in out
         assert P.find_profile(P.cpu_uuid(), tmp_path) is not None
         assert P.decide(profile, 1 << 20, 4.0, 48).backend == "offload"
@@ -100,6 +100,8 @@ def test_gpu_run_fills_gpu_fields(tmp_path):
     assert k.pcie_gather > 0 and ov.pcie_ov > 0 and ov.cpu_ov > 0
     assert k.gather_kernel == "copy_missing(fused)" and k.cpu_kernel.startswith("cpu_executor(")
     assert profile.c_sync_s > 0
+    n = torch.cuda.device_count()  # every ordered pair of GPUs (none on a one-GPU host)
+    assert len(profile.p2p) == n * (n - 1) and all(link.gbps > 0 and link.src != link.dst for link in profile.p2p)
     d = P.decide(profile, 1 << 20, 4.0, 48)
     assert d.fetch_fraction == pytest.approx(ov.pcie_ov / (ov.pcie_ov + ov.cpu_ov))
 

@@ -187,8 +187,8 @@ class PeerTier:
 
     def stats(self) -> dict:
         per_layer = self.peer_fetched.tolist()
-        return {"devices": [str(d) for d in self.devices], "slots_per_device": self.P, "slots": self.num_slots,
-                "slot_bytes": self.num_slots * self.cache.expert_nbytes, "held": sum(f >= 0 for f in self.placed),
+        return {"devices": [str(d) for d in self.devices], "slots_per_device": self.P, "peer_slots": self.num_slots,
+                "peer_slot_bytes": self.num_slots * self.cache.expert_nbytes, "held": sum(f >= 0 for f in self.placed),
                 "peer_share": self.peer_share,
                 "peer_fetched": sum(per_layer), "per_layer_peer_fetched": per_layer, "p2p_gbps": self.p2p_gbps,
                 "refreshes": self.refreshes, "experts_moved": self.moved}
