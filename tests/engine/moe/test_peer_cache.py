@@ -61,10 +61,10 @@ def build(lm, hf_dir, kind: MoEBackend, slots: int, peer_memory: float | None, d
     return HybridBackend(ctx, kind, num_slots=slots, use_triton=use_triton, count_routes=True, graph_mode=graph_mode)
 
 
-def check_counts(stats: dict, counter: Counter) -> None:
+def check_counts(stats: dict, counter: Counter, fetches: bool = True) -> None:
     s = stats["cache"]
     assert s["hits"] + s["misses"] == counter.unique
-    assert s["peer_fetched"] + s["host_fetched"] == s["fetched"] and s["peer_fetched"] > 0
+    assert s["peer_fetched"] + s["host_fetched"] == s["fetched"] and (s["peer_fetched"] > 0) == fetches
     assert sum(s["per_layer"]["peer_fetched"]) == s["peer_fetched"]
 
 
@@ -114,7 +114,7 @@ def test_hybrid_with_peer_equals_resident(arch, mode, hf_checkpoints, loaded, re
     try:
         assert greedy_generate(lm, PROMPT, NEW_TOKENS) == resident_tokens[arch]
         stats = backend.stats()
-        check_counts(stats, counter)  # the prefill (offload path) fetches in both modes
+        check_counts(stats, counter, fetches=mode is MoEBackend.HYBRID)  # cpu: prompts up to 256 tokens split too
         if mode is MoEBackend.HYBRID:
             assert isinstance(backend.controller, PeerSplitController)
             assert stats["split"]["peer_share"] == backend.cache.peer.peer_share
