@@ -9,7 +9,7 @@ generation_config, so the engine consumes them). The chat template's generation 
 content type (``<|constrain|>json``):
 
     <|channel|>analysis<|message|>Need the weather.<|end|>
-    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>
+    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Oslo"}<|call|>
 
 Text of the ``analysis`` channel is reasoning; a message addressed to ``functions.NAME`` is a call of NAME
 (its body the arguments, a JSON object) when calls are asked for; every other body (``final``, a
@@ -64,8 +64,7 @@ class HarmonySplitter:
                 self.in_header, self.header = True, [t] if t == self.channel_id else []
             elif t == self.message_id and self.in_header:
                 self.channel, recipient = self._read_header(self.header)
-                self.call = recipient[len(FUNCTIONS):] if (self.make_call is not None and recipient.startswith(FUNCTIONS)
-                                                           and len(recipient) > len(FUNCTIONS)) else None
+                self.call = self._function(recipient)
                 self.in_header, self.header = False, []
             elif self.in_header:
                 self.header.append(t)
@@ -74,6 +73,11 @@ class HarmonySplitter:
             else:
                 (out.reasoning if self.channel == REASONING_CHANNEL else out.answer).append(t)
         return out
+
+    def _function(self, recipient: str) -> str | None:
+        """The function a body addressed to ``recipient`` calls, when calls are asked for; else None."""
+        name = recipient[len(FUNCTIONS):] if recipient.startswith(FUNCTIONS) else ""
+        return name if name and self.make_call is not None else None
 
     def finish(self) -> HarmonyParts:
         """The end of the generation: a call whose ``<|call|>`` the engine consumed (or max_tokens cut) ends."""

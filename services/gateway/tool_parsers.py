@@ -8,9 +8,10 @@ A registry, one parser per family, chosen by the marker its chat template writes
     hermes   (Qwen2.5, Qwen3, the demo model)   <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>
                                                  one block per call, separated by newlines
     mistral  (Mixtral, Mistral)                  [TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]
-    harmony  (gpt-oss)                           <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>
-                                                 one message per call, found in the token stream, not in the text
-                                                 (services/gateway/reasoning.py); ``<|call|>`` ends generation
+    harmony  (gpt-oss)                           <|channel|>commentary to=functions.NAME <|constrain|>json
+                                                 <|message|>{...}<|call|>, one message per call, found in the
+                                                 token stream, not in the text (services/gateway/reasoning.py);
+                                                 ``<|call|>`` ends generation
 
 Streaming (``ToolCallStream``): text before the family's start marker streams as content (a tail that
 could still become the marker is held back); from the marker on, each call is sent once it is complete,

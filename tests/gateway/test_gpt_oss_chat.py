@@ -23,7 +23,8 @@ CITY = {"type": "object", "additionalProperties": False, "required": ["city"],
 SUM = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
                       "b": {"type": "integer", "minimum": 0, "maximum": 9}}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": CITY}},
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                           "parameters": CITY}},
          {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": SUM}}]
 SCHEMAS = {"get_weather": CITY, "add": SUM}
 MESSAGES = [{"role": "developer", "content": "Use the tools."}, {"role": "user", "content": "Weather in Paris?"}]
@@ -61,8 +62,8 @@ def _steer(hf, channel: str) -> dict:
     """Random weights would reason (analysis) until max_tokens: a logit_bias that ends any analysis at once
     (<|end|>) and prefers ``channel``'s first letter after <|channel|> (the grammar allows nothing else
     there but "analysis" and the answer's channel), so the grammar's answer message comes quickly."""
-    return {"logit_bias": {str(hf.convert_tokens_to_ids("<|end|>")): 100, str(hf.convert_tokens_to_ids(channel[0])): 50},
-            "temperature": 0, "max_tokens": 120}
+    end, letter = hf.convert_tokens_to_ids("<|end|>"), hf.convert_tokens_to_ids(channel[0])
+    return {"logit_bias": {str(end): 100, str(letter): 50}, "temperature": 0, "max_tokens": 120}
 
 
 def _check_call(name: str, arguments: str) -> None:

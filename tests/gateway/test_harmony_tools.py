@@ -154,7 +154,8 @@ def test_openai_message_and_stream(tok):
     assert message.tool_calls[0].function.name == "get_weather" and message.tool_calls[0].id.startswith("call_")
     stream = ToolCallStream(PARSER, parallel=True)
     fed = [stream.feed(d.text, d.finish_reason is not None, d.calls) for d in out]
-    assert "".join(t for t, _ in fed) == "Checking the weather." and [c.name for _, cs in fed for c in cs] == ["get_weather"]
+    assert "".join(t for t, _ in fed) == "Checking the weather."
+    assert [c.name for _, cs in fed for c in cs] == ["get_weather"]
     # no calls: the answer is all content and the finish_reason stays
     message, finish = answer_message(plan, "Hello", "stop", [])
     assert (message.content, message.tool_calls, finish) == ("Hello", None, "stop")
@@ -166,7 +167,8 @@ def test_parallel_off_keeps_the_first_call(tok):
     message, _ = answer_message(plan, gen.text, gen.finish_reason, gen.calls)
     assert [c.function.name for c in message.tool_calls] == ["get_weather"] and message.content is None
     stream = ToolCallStream(PARSER, parallel=False)
-    assert [c.name for d in out for c in stream.feed(d.text, d.finish_reason is not None, d.calls)[1]] == ["get_weather"]
+    sent = [c.name for d in out for c in stream.feed(d.text, d.finish_reason is not None, d.calls)[1]]
+    assert sent == ["get_weather"]
 
 
 def test_anthropic_tool_use_blocks(tok):
@@ -256,8 +258,9 @@ def test_gateway_renders_the_conversation_as_transformers(tok, tmp_path, effort)
     theirs = hf.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True, **kwargs)
     assert ours == theirs
     assert f"Reasoning: {effort or 'medium'}\n" in ours
-    assert ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
-            '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"{\\"temp\\": 21}"<|end|>') in ours
+    assert ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}'
+            '<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>'
+            '"{\\"temp\\": 21}"<|end|>') in ours
 
 
 def test_reasoning_effort_is_refused_where_the_template_has_none(tok):
