@@ -20,7 +20,8 @@ it would add their weight reads to the step). Each graph is checked against an e
 capture; a size that fails to capture or to match runs eager (logged), so a backend that is not graph-safe
 costs speed, never correctness. Before the capture, ``warm_up`` compiles the expert kernels of every step
 size (the backend's ``warm``) and runs one eager prefill, so no JIT compile or lazy module load lands on a
-request (progress phase "compiling").
+request (progress phase "compiling"). A step with prompt chunks and decode rows runs the chunks eagerly and
+the decode rows by replay (``_forward_mixed``).
 """
 
 from __future__ import annotations
@@ -146,6 +147,8 @@ class ModelRunner:
         logits = None
         if self.graphs is not None and batch.num_prefill == 0:
             logits = self.graphs.run(batch.input_ids, batch.positions, batch.slots, ids)  # [N, V] or None
+        elif self.graphs is not None and ids is None and batch.num_prefill < len(batch.requests):
+            logits = self._forward_mixed(batch)  # [N, V] or None
         if logits is None:
             logits = self.forward_eager(batch, ids)
         rows = [i for i, s in enumerate(batch.samples) if s]
@@ -217,6 +220,25 @@ class ModelRunner:
             k = step.batch.requests[i].params.logprobs
             out[i] = {"logprob": chosen[n], "top": [[t, lp] for t, lp in zip(top_ids[n][:k], top[n][:k])]}
         return out
+
+    def _forward_mixed(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """logits [N, V] of a step with prompt chunks AND decode rows as two forwards: the chunks eagerly, the
+        decode rows by graph replay; None when the backend keeps one forward per step or no graph fits.
+
+        Why: eagerly, every decode row is a sequence of its own in the prefill attention loop (~5 launches
+        per row and layer: 16 streams x 24 layers ~ 2000 launches, tens of ms), and each admitted request
+        puts all running streams through such a step. Split, the decode rows cost one replay. Backends
+        that time their steps (hybrid, auto: ``observe_decode_step``) keep one forward per step, as their
+        controllers count a step's tokens together."""
+        if hasattr(self.model.backend, "observe_decode_step"):
+            return None
+        n, T = batch.num_prefill, sum(batch.query_lens[:batch.num_prefill])
+        decode = self.graphs.run(batch.input_ids[T:], batch.positions[T:], batch.slots[n:])  # [N - n, V]
+        if decode is None:
+            return None
+        chunks = ScheduledBatch(batch.requests[:n], n, batch.input_ids[:T], batch.positions[:T], batch.slots[:n],
+                                batch.start_pos[:n], batch.query_lens[:n])
+        return torch.cat([self.forward_eager(chunks), decode])  # copies the replay's static output
 
     def forward_eager(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """logits [N, V] of one eager forward; ``input_ids`` [T] on the device replaces the batch's own."""
