@@ -12,6 +12,9 @@ Two load modes, each a list of levels:
   --request-rate 1,4,16         Poisson arrivals at R requests/s (exponential gaps, seeded), no cap
 
 Each request is a streamed greedy chat completion of exactly ``--output-tokens`` tokens (ignore_eos).
+Each server first serves 4 warm-up requests at concurrency 4; ``--level-warmup K`` adds K x C unmeasured
+requests before each concurrency level C (hybrid's split is tuned per batch size: ~250 steps of a size
+before it rests, docs/serving.md), all on prompts outside the measured set.
 Per level: total output tok/s (all tokens / wall time), per-stream decode tok/s ((tokens - 1) / (last
 event - first event)), TTFT and ITL (the gap between two streamed content events; the detokenizer may
 merge tokens into one event) at p50 and p99, requests/s, errors, the engine's expert miss rate over the
@@ -151,10 +154,14 @@ def run_server(args: argparse.Namespace, backend: str, cache_rate: float | None)
         server.wait_ready(args.startup_timeout)
         model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
         # warm-up on prompts outside the measured set: caches and compiled shapes at their steady state
-        asyncio.run(run_level(server.url, model, args.warmup_prompts, args.output_tokens, 4, None, args.seed))
+        asyncio.run(run_level(server.url, model, args.warmup_prompts[:4], args.output_tokens, 4, None, args.seed))
         solo_texts: dict[int, str] = {}
         for mode, level in levels(args):
             prompts = args.prompts[:prompts_per_level(args, mode, level)]
+            warm = args.level_warmup * int(level) if mode == "concurrency" else 0
+            if warm:  # this level's batch size at its steady state first (hybrid tunes its split per batch size)
+                asyncio.run(run_level(server.url, model, args.warmup_prompts[:warm], args.output_tokens, int(level),
+                                      None, args.seed))
             before = httpx.get(f"{server.url}/engine/v1/stats", timeout=30).json()
             results, wall = asyncio.run(run_level(server.url, model, prompts, args.output_tokens,
                                                   int(level) if mode == "concurrency" else None,
@@ -163,7 +170,8 @@ def run_server(args: argparse.Namespace, backend: str, cache_rate: float | None)
             if mode == "concurrency" and level == 1:
                 solo_texts = {i: r["text"] for i, r in enumerate(results) if "error" not in r}
             summary = engine_summary(_delta(before, after))
-            rows.append({**base, "mode": mode, mode: level, **summarize_level(results, wall, solo_texts),
+            rows.append({**base, "mode": mode, mode: level, "level_warmup_requests": warm,
+                         **summarize_level(results, wall, solo_texts),
                          "miss_rate": summary["miss_rate"], "fetch_share": summary["fetch_share"],
                          "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "ok": True})
             record(args, rows[-1])
@@ -259,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
                         "spends ~3x the tokens of a real one)")
     p.add_argument("--max-running-requests", type=int, default=0,
                    help="the server's --max-running-requests (default 0: the largest concurrency level)")
+    p.add_argument("--level-warmup", type=int, default=0,
+                   help="before each concurrency level C, K x C unmeasured requests at concurrency C on prompts outside "
+                        "the measured set, so the level is measured at its steady state: hybrid tunes its split per "
+                        "batch size, ~250 steps of that size (default 0: one warm-up of 4 requests per server)")
     p.add_argument("--seed", type=int, default=0, help="prompt set and Poisson gaps (default: 0)")
     p.add_argument("--startup-timeout", type=float, default=900, help="seconds to wait for each server (default: 900)")
     p.add_argument("--server-arg", action="append", default=[], help="an extra `tandem serve` flag (repeatable)")
@@ -273,8 +285,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give at least one --concurrency or --request-rate level")
     if any(c < 1 for c in args.concurrency_list) or any(r <= 0 for r in args.rate_list):
         p.error("concurrency levels must be >= 1 and request rates > 0")
+    if args.level_warmup < 0:
+        p.error(f"--level-warmup must be 0 or positive, got {args.level_warmup}")
     most = max(prompts_per_level(args, mode, level) for mode, level in levels(args))
-    everything = chat_prompts(most + 4, seed=args.seed)
+    warm = max(4, args.level_warmup * max(args.concurrency_list, default=0))  # distinct from the measured set
+    everything = chat_prompts(most + warm, seed=args.seed)
     args.prompts, args.warmup_prompts = everything[:most], everything[most:]
     args.log_dir.mkdir(parents=True, exist_ok=True)
     if args.json:

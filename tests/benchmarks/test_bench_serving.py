@@ -24,13 +24,14 @@ def test_prompt_set_is_distinct_reproducible_and_prefix_stable():
 def test_concurrency_and_rate_levels_on_cpu(tmp_path):
     out, png = tmp_path / "rows.jsonl", tmp_path / "serving.png"
     cmd = [sys.executable, "-m", "benchmarks.bench_serving", "--model", "demo", "--device", "cpu", "--dtype", "float32",
-           "--backend", "offload", "--concurrency", "1,3", "--request-rate", "20", "--num-prompts", "6",
+           "--backend", "offload", "--concurrency", "1,3", "--request-rate", "20", "--num-prompts", "6", "--level-warmup", "1",
            "--output-tokens", "5", "--startup-timeout", "300", "--log-dir", str(tmp_path / "logs"),
            "--json", str(out), "--plot", str(png)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["mode"], r[r["mode"]]) for r in rows] == [("concurrency", 1), ("concurrency", 3), ("rate", 20.0)]
+    assert [r["level_warmup_requests"] for r in rows] == [1, 3, 0]  # 1 x C before each concurrency level
     for r in rows:
         assert r["ok"] and r["errors"] == 0 and r["requests"] == 6
         assert r["total_tok_s"] > 0 and r["req_s"] > 0 and r["prompt_tokens_mean"] > 0
