@@ -68,3 +68,23 @@ def test_every_metric_used_is_declared(source):
     declared = declared_metric_names() | BUILTIN
     unknown = {(where, name) for where, expr in exprs for name in metric_names(expr) if name not in declared}
     assert not unknown, f"{source} use metrics no metrics.py declares: {sorted(unknown)}"
+
+
+def test_engines_targets_from_the_generator(tmp_path):
+    """scripts/compose_engines.py's targets file, mounted as targets.json (several engines), passes
+    promtool like compose.json; promtool reads file_sd files and fails on a malformed one."""
+    import json
+    import sys
+
+    for name in ("prometheus.yml", "rules.yml"):
+        shutil.copy(PROM_DIR / name, tmp_path / name)
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "compose_engines.py"), "--cpu-engines", "2",
+                             "--output", str(tmp_path / "engines.yml"), "--targets", str(tmp_path / "targets.json")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    check = promtool("check", "config", "prometheus.yml", cwd=tmp_path)
+    assert check.returncode == 0 and "WARNING" not in check.stdout + check.stderr, check.stdout + check.stderr
+    groups = json.loads((tmp_path / "targets.json").read_text())
+    assert len({(g["labels"].get("engine"), g["labels"].get("gpu")) for g in groups if g["labels"]["job"] == "engine"}) == 2
+    (tmp_path / "targets.json").write_text('[{"targets": "engine:8001"}]')  # a string, not a list
+    assert promtool("check", "config", "prometheus.yml", cwd=tmp_path).returncode != 0
