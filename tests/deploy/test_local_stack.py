@@ -156,8 +156,8 @@ def _cpus_allowed(pid: int) -> str:
 
 def test_two_cpu_engines_behind_one_gateway(tmp_path):
     """`tandem stack --engines 2` (issue 25): two CPU engines on their own ports and cores, one gateway
-    whose requests land on both, Prometheus scraping both with distinct engine labels; one engine
-    killed, the other serves on."""
+    whose requests land on both, Prometheus scraping both with distinct engine labels and the dashboard's
+    per-engine panels drawing both; one engine killed, the other serves on."""
     import httpx
 
     from services.common.topology import parse_cpulist
@@ -166,7 +166,8 @@ def test_two_cpu_engines_behind_one_gateway(tmp_path):
     engine_port = free_port_run(2, exclude=(gateway_port, prom_port))  # + 1: the second engine
     proc = start_stack(tmp_path, "--services", "engine,gateway,prometheus", "--engines", "2", "--model", "demo",
                        "--port", str(gateway_port), "--engine-port", str(engine_port), "--prometheus-port",
-                       str(prom_port), "--scrape-interval", "1s", "--max-seq-len", "256")
+                       str(prom_port), "--scrape-interval", "1s", "--max-seq-len", "256", "--moe-backend", "hybrid",
+                       "--moe-cache-rate", "0.5")
     url = f"http://127.0.0.1:{gateway_port}/v1/completions"
     body = {"model": "tandem-demo", "prompt": "hi", "max_tokens": 2}
     try:
@@ -196,6 +197,23 @@ def test_two_cpu_engines_behind_one_gateway(tmp_path):
             if labels == [("0", "cpu", "1"), ("1", "cpu", "1")]:
                 break
             assert time.monotonic() < deadline, ups
+            time.sleep(0.5)
+
+        # the dashboard's Engines row: every panel draws one series per engine
+        from tests.deploy.promql import dashboard_panels
+
+        row = [p for p in dashboard_panels() if p["title"].endswith("per engine")]
+        assert len(row) == 6
+        exprs = [t["expr"].replace("$__rate_interval", "1m").replace("$model_name", ".*") for p in row
+                 for t in p["targets"]]
+        deadline = time.monotonic() + 30
+        while True:
+            per_expr = {e: sorted(r["metric"].get("engine", "") for r in httpx.get(
+                f"http://127.0.0.1:{prom_port}/api/v1/query", params={"query": e}, timeout=10).json()["data"]["result"])
+                for e in exprs}
+            if all(engines_seen == ["0", "1"] for engines_seen in per_expr.values()):
+                break
+            assert time.monotonic() < deadline, {e: seen for e, seen in per_expr.items() if seen != ["0", "1"]}
             time.sleep(0.5)
 
         os.kill(engines[engine_port], signal.SIGKILL)  # the stack restarts it; until then engine 1 serves
