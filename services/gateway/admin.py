@@ -8,7 +8,9 @@
                                               404 for an id that was never submitted (or has expired)
     GET  /admin/profiles                      the profiles in the shared volume
     GET  /admin/engines                       the engines behind this gateway and their health
-    POST /admin/engines/{id}/reload-profile   the engine re-reads its profile (no restart)
+    POST /admin/engines/{id}/reload-profile   the engine re-reads its profile (no restart); id "all": every
+                                              engine (one per GPU), 200 {"data": [each engine's answer, or
+                                              its error body and "status"]}
 
 Tasks are sent by name (``send_task``) through a minimal Celery client, so the gateway needs neither
 torch nor the profiler's code; the worker (services/profiler/app.py) owns the task definitions. Each
@@ -157,6 +159,8 @@ def create_router(pool: EnginePool, admin_token: str, redis_url: str, profiles_d
 
     @router.post("/engines/{engine_id}/reload-profile")
     async def reload_profile(engine_id: str):
+        if engine_id == "all":  # after a {"gpu": "all"} profile job: each engine reads its own GPU's profile
+            return {"data": await asyncio.gather(*(_reload(e) for e in pool.engines))}
         e = pool.by_id(engine_id)
         if e is None:
             return _error(404, f"no engine {engine_id!r} (ids: {', '.join(x.client.id for x in pool.engines)})",
@@ -167,6 +171,14 @@ def create_router(pool: EnginePool, admin_token: str, redis_url: str, profiles_d
             return JSONResponse(exc.body, exc.status, headers=exc.headers)
 
     return router
+
+
+async def _reload(e) -> dict:
+    """One engine's reload-profile answer, or its error body with the status it would have answered."""
+    try:
+        return {"engine": e.client.id, **(await e.client.reload_profile())}
+    except EngineError as exc:
+        return {"engine": e.client.id, "status": exc.status, **exc.body}
 
 
 async def _optional_json(request: Request) -> dict:

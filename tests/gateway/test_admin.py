@@ -112,6 +112,22 @@ def test_engine_reload_profile(admin_stack):
     body = r.json()
     assert body["engine"] == engines[0]["id"] and body["backend"] == "resident" and body["reloaded"] is False
     assert _admin(gateway, "POST", "/admin/engines/99/reload-profile").status_code == 404
+    every = _admin(gateway, "POST", "/admin/engines/all/reload-profile")  # one engine per GPU: all at once
+    assert every.status_code == 200, every.text
+    assert [(d["engine"], d["backend"]) for d in every.json()["data"]] == [(engines[0]["id"], "resident")]
+
+
+def test_reload_every_engine_reports_each_one(admin_stack, gateway_process, redis_server):
+    """id "all" with one engine of two down: the live one reloads, the dead one's entry carries its 503."""
+    gateway, profiles, _ = admin_stack
+    live = _admin(gateway, "GET", "/admin/engines").json()["data"][0]["url"]
+    two = gateway_process("--engine", f"{live},http://127.0.0.1:9", "--admin-token", ADMIN, "--redis-url",
+                          redis_server, "--profiles-dir", str(profiles))
+    r = _admin(two, "POST", "/admin/engines/all/reload-profile")
+    assert r.status_code == 200, r.text
+    ok, down = r.json()["data"]
+    assert (ok["engine"], ok["backend"]) == ("0", "resident")
+    assert (down["engine"], down["status"], down["error"]["type"]) == ("1", 503, "service_unavailable")
 
 
 def test_admin_disabled_without_token(gateway_process, engine_process):
