@@ -108,8 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         def gemm(cfg=None):
             return moe_gemm(hidden, ids, weights, banks["gate_up"], banks["down"], config=cfg, **kw)
 
-        for name, fn in (("gemv", gemv), ("gemm", gemm)):
-            torch.testing.assert_close(fn().float(), ref, atol=3e-2, rtol=3e-2)
+        for name, fn in (("gemv", gemv), ("gemm", gemm)):  # bf16 rounding: relative to the output's scale
+            err = ((fn().float() - ref).abs().max() / ref.abs().max()).item()
+            if not err < 2e-2:
+                raise AssertionError(f"{name} at {T} tokens: max error {err:.3g} of the output's scale")
         gemv_us, gemm_us = (graph_us(fn, args.calls, args.replays) for fn in (gemv, gemm))
         row = {"tokens": T, "routes": T * A, "distinct_experts": distinct,
                "distinct_GB": distinct * expert_bytes / GB, "gemv_us": gemv_us, "gemm_us": gemm_us,
