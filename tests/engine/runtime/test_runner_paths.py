@@ -6,6 +6,7 @@ gives the logits of the one-forward step, row for row."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from services.engine.config import EngineConfig
@@ -63,3 +64,28 @@ def test_a_mixed_step_splits_into_prefill_and_replay_with_the_same_logits():
     loaded.model.backend.observe_decode_step = lambda seconds, tokens: False  # a backend timing its steps
     runner.graphs = EagerDecodeGraphs(runner, [2])
     assert runner._forward_mixed(batch) is None and not runner.graphs.calls
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_start_warms_captures_every_size_and_splits_mixed_steps():
+    """The real thing: Qwen3-30B-A3B's routing (E=128, top-8) at an eighth of the width, bf16, resident."""
+    loaded = load_model(EngineConfig(model="synthetic:qwen3-moe-mini", device="cuda", dtype="bfloat16",
+                                     max_seq_len=64))
+    events = []
+    runner = ModelRunner(loaded, 5, 64, torch.device("cuda"), torch.bfloat16, progress=events.append)
+    assert sorted(runner.graphs.graphs) == [1, 2, 3, 4, 5]  # every size: no padding rows
+    phases = [e["phase"] for e in events]
+    assert phases[0] == "compiling" and phases[-1] == "capturing" and events[-1]["done"] == 5
+    assert loaded.model.backend.decode.kind == "triton", "the expert kernels fell back to torch"
+    for slot, prompt in ((1, [3, 4, 5, 6]), (2, [9, 8, 7]), (3, [1, 2])):
+        runner.model(torch.tensor(prompt, device="cuda"), torch.arange(len(prompt), device="cuda"),
+                     ForwardBatch(slots=[slot], start_pos=[0], query_lens=[len(prompt)]), runner.kv)
+    # a 20-token prompt in slot 0 (160 routes: the grouped GEMM), decode rows of slots 1-3 (a replay)
+    prompt = list(range(100, 120))
+    batch = ScheduledBatch([None] * 4, 1, prompt + [40, 41, 42], list(range(20)) + [4, 3, 2], [0, 1, 2, 3],
+                           [0, 4, 3, 2], [20, 1, 1, 1])
+    split = runner._forward_mixed(batch).float()
+    whole = runner.forward_eager(batch).float()
+    scale = whole.abs().max().item()
+    assert (split - whole).abs().max().item() <= 0.05 * scale  # the capture check's bound (bf16 kernels)
