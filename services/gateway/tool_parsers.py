@@ -177,6 +177,9 @@ class HarmonyToolParser(ToolParser):
     def calls(self, text: str, final: bool) -> list[ToolCall] | None:
         return [] if not final else None  # never in the text
 
+    def special_marker(self, tokenizer) -> int | None:
+        return None  # the calls are read off the ids: the text keeps no special token
+
     @staticmethod
     def call_from_body(name: str, body: str) -> ToolCall | None:
         """A call of ``name`` whose arguments are ``body``, or None when the body is not a JSON object."""

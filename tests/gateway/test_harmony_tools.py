@@ -50,8 +50,15 @@ def _parse(tok: Tokenizer, text: str, cuts: tuple[int, ...] = ()) -> tuple[str, 
     return tok.decode(reasoning), tok.decode(answer + end.answer), calls + end.calls
 
 
-def test_the_template_is_harmony():
+def test_the_template_is_harmony(tok):
+    from services.gateway.chat_tools import plan_tools
+    from services.gateway.protocol import ChatCompletionRequest
+
     assert isinstance(parser_for(HARMONY_TEMPLATE), HarmonyToolParser)
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=TOOLS)
+    plan = plan_tools(req, tok.tokenizer_config, tok)
+    # auto: no grammar, and the answer's text is decoded without special tokens (the calls come off the ids)
+    assert plan.parser.family == "harmony" and plan.grammar is None and not plan.keep_special_tokens
 
 
 def test_a_call_after_reasoning_and_a_preamble(tok):
