@@ -7,7 +7,7 @@ device-to-device copy, bytes read + written, like benchmarks/ceilings.py). A ker
 each distinct expert once at HBM speed; the GEMV falls below it as soon as routes share experts.
 
 Each call is timed as decode runs it, replayed from a CUDA graph (``--calls`` captured back to back, best of
-``--replays``), prefill-sized steps too (the same kernels run eagerly there, plus ~15 launches). Routing:
+``--replays``), prefill-sized steps too (the same kernels run eagerly there). Routing:
 top-k of E uniformly at random per token (the synthetic models' routers); every result is checked against
 moe_reference in fp32 first (fp8: on the dequantized experts). ``--sweep`` times every candidate launch
 config of the GEMM per size and prints the best: what goes into kernels/moe_gemm.CONFIGS for a device.
