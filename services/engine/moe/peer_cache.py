@@ -53,14 +53,15 @@ def enable_peer_access(home: int, peer: int) -> None:
     if not torch.cuda.can_device_access_peer(home, peer):
         raise ValueError(f"--moe-peer-devices: cuda:{home} cannot access cuda:{peer} peer to peer (no NVLink or PCIe "
                          "P2P between them; `nvidia-smi topo -m` shows the links)")
-    torch.empty(1, device=f"cuda:{peer}")  # both primary contexts exist
+    a, b = torch.zeros(1, device=f"cuda:{home}"), torch.zeros(1, device=f"cuda:{peer}")
+    a.copy_(b), b.copy_(a)  # both primary contexts exist; torch enables peer access its own way first
     lib = ctypes.CDLL("libcuda.so.1")
     dev, ctx = ctypes.c_int(), ctypes.c_void_p()
     for rc in (lib.cuDeviceGet(ctypes.byref(dev), peer), lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)):
         if rc != 0:
             raise RuntimeError(f"CUDA driver error {rc} while looking up cuda:{peer}'s context")
     with torch.cuda.device(home):
-        torch.empty(1, device=f"cuda:{home}")  # home's primary context is current on this thread
+        torch.cuda.synchronize(home)  # a runtime call: home's primary context is current on this thread
         rc = lib.cuCtxEnablePeerAccess(ctx, 0)
     if rc not in (0, _PEER_ACCESS_ALREADY_ENABLED):
         raise RuntimeError(f"cuCtxEnablePeerAccess(cuda:{home} -> cuda:{peer}) failed with CUDA driver error {rc}")
