@@ -207,6 +207,9 @@ def peer_slots(config, device: torch.device, home: torch.device, expert_bytes: i
         raise ValueError(f"--moe-peer-devices {device}: a peer on the home device shares its memory; give "
                          "--moe-peer-memory GiB")
     free, _ = torch.cuda.mem_get_info(device)
+    # blocks torch caches there count as used by the driver but are ours to reuse (`auto` rebuilding its
+    # backend frees the old tier into that cache)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     budget = free - max(HEADROOM_MIN_BYTES, int(HEADROOM_FRACTION * free))
     return max(0, budget) // expert_bytes, f"free {fmt_bytes(free)} less headroom"
 
