@@ -1,5 +1,5 @@
-"""Compile the expert-cache kernels (kernels/ensure_experts*.py, lru and lfu) and the graph handoff's wait
-kernel (kernels/cpu_handoff.py) for sm_90 with the Triton
+"""Compile the expert-cache kernels (kernels/ensure_experts*.py, lru and lfu), the graph handoff's wait
+kernel (kernels/cpu_handoff.py) and the peer tier's copy (kernels/peer_copy.py) for sm_90 with the Triton
 wheel's own ptxas, no GPU needed: what the interpreter lets through but the compiler rejects (a branch on a
 reduced value, a loop of runtime length) fails here. Run by test_compile_sm90.py in a process of its own,
 since the kernel tests' TRITON_INTERPRET must stay unset here; prints one line per compiled kernel."""
@@ -17,9 +17,10 @@ assert not os.environ.get("TRITON_INTERPRET"), "the compiler, not the interprete
 import kernels.cpu_handoff as handoff  # noqa: E402
 import kernels.ensure_experts as ensure  # noqa: E402
 import kernels.ensure_experts_hybrid as hybrid  # noqa: E402
+import kernels.peer_copy as peer_copy  # noqa: E402
 from kernels.ensure_experts_ref import USE_CAP, USE_SHIFT, CacheState  # noqa: E402
 
-POINTER = {torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32", torch.bfloat16: "*bf16"}
+POINTER = {torch.uint8: "*u8", torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32", torch.bfloat16: "*bf16"}
 TARGET = GPUTarget("cuda", 90, 32)  # the H200
 
 
@@ -57,6 +58,14 @@ def main() -> None:
                         "stamps_ptr": i64, "misses_ptr": i64, "fetched_ptr": i64, "counters_ptr": i64},
                        dict(TIMER=True, COUNTERS=True, GPU=True, BLOCK=handoff.WAIT_BLOCK))
     print(f"wait_cpu_add lfu=None: {n} bytes")
+    # the peer tier's two-source copy (kernels/peer_copy.py: a branch per job on the table's entry)
+    u8, i32 = torch.zeros(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.int32)
+    n = compile_kernel(peer_copy._copy_tiered_kernel,
+                       {"host_base": u8, "peer_base": u8, "dst_base": u8, "host_delta_ptr": i64, "peer_delta_ptr": i64,
+                        "dst_delta_ptr": i64, "bank_bytes_ptr": i64, "job_src_ptr": i32, "job_dst_ptr": i32,
+                        "job_count_ptr": i32, "peer_slot_ptr": i32, "peer_fetched_ptr": i64},
+                       dict(CHUNK=peer_copy.CHUNK_BYTES, BLOCK=peer_copy.BLOCK_BYTES, VEC=16))
+    print(f"copy_tiered lfu=None: {n} bytes")
 
 
 if __name__ == "__main__":

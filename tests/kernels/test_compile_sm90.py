@@ -21,6 +21,7 @@ def test_ensure_kernels_compile_for_sm90(tmp_path):
             line = next(x for x in lines if x.startswith(f"{kernel} lfu={lfu}:"))
             assert int(line.split()[2]) > 0
     assert int(next(x for x in lines if x.startswith("wait_cpu_add")).split()[2]) > 0
+    assert int(next(x for x in lines if x.startswith("copy_tiered")).split()[2]) > 0
 
 
 def test_moe_gemm_kernels_compile_for_sm90(tmp_path):
