@@ -23,8 +23,11 @@ get no row and contribute nothing.
 Weights: bf16/fp32 banks, or fp8_block (float8_e4m3fn + fp32 scale per 128x128 block, moe/fp8.py):
 BLOCK_K divides 128, so a k-step of a BLOCK_N slice meets one scale per row; the fp8 codes go through the
 tensor cores in x's dtype (exact: every e4m3 value is a bf16 value) and the partial product is scaled in
-fp32 before it is accumulated. ``_load_w`` is the one place that reads a weight tile: another format
-(MXFP4) adds a branch there. gpt-oss experts: per-expert biases and the clamped SwiGLU (moe/reference.py).
+fp32 before it is accumulated. MXFP4 banks (uint8: packed e2m1 rows, one E8M0 byte per 32 values; the
+format of kernels/moe_gemv.py): ``_load_mx`` decodes a tile of bytes into its even and odd weights, scaled
+and exact in x's dtype (2 significant bits), and they meet x's even and odd columns in two dots, so
+nothing is interleaved; BLOCK_K is then a multiple of 32. gpt-oss experts: per-expert biases and the
+clamped SwiGLU (moe/reference.py).
 
 Triton specializes int arguments on ==1 and %16: the sizes that change per step (R) are
 ``do_not_specialize``, so one compile per (dtype, format, activation, config) serves every step size.
@@ -39,6 +42,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from kernels.moe_gemv import MX_BLOCK, _e2m1, _e8m0_scale
 
 SCALE_BLOCK = 128  # fp8_block: the edge of a scale's block (fp8.BLOCK)
 
@@ -171,6 +176,23 @@ def _load_w(w_ptr, offs_n, offs_k, mask_n, mask_k, stride_wn, FP8: tl.constexpr,
 
 
 @triton.jit
+def _load_mx(w_ptr, s_ptr, offs_n, offs_kb, k0, mask_n, mask_kb, KB, stride_wn, stride_sn, CDT: tl.constexpr,
+             BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """MXFP4: the [BK/2, BN] bytes of rows offs_n at byte columns offs_kb (= k0/2 + j; KB bytes a row) ->
+    (even, odd) weight tiles [BK/2, BN] in the compute dtype: elements k0 + 2j and k0 + 2j + 1, times their
+    block's scale (exact: e2m1 has 2 significant bits)."""
+    m = mask_kb[:, None] & mask_n[None, :]
+    b = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_kb[:, None], mask=m, other=0)
+    lo, hi = _e2m1(b)  # [BK/2, BN] fp32, 2**-14 times the values
+    offs_sb = k0 // 32 + tl.arange(0, BLOCK_K // 32)  # [BK/32] scale blocks of this k-step
+    s = tl.load(s_ptr + offs_n[None, :] * stride_sn + offs_sb[:, None],
+                mask=(offs_sb[:, None] < KB // 16) & mask_n[None, :], other=0)
+    scale = tl.reshape(tl.broadcast_to(_e8m0_scale(s)[:, None, :], [BLOCK_K // 32, 16, BLOCK_N]),
+                       [BLOCK_K // 2, BLOCK_N])  # each block's scale on its 16 bytes
+    return (lo * scale).to(CDT), (hi * scale).to(CDT)
+
+
+@triton.jit
 def _load_s(s_ptr, offs_n, mask_n, s_row0, stride_sn, k0, SB: tl.constexpr):
     """fp8: the block scale [BN] of rows offs_n at k-step k0 (BLOCK_K divides 128: one per row)."""
     return tl.load(s_ptr + (s_row0 + offs_n // SB) * stride_sn + k0 // SB, mask=mask_n, other=0.0)
@@ -191,6 +213,7 @@ def _gate_up_kernel(
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_act,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr,
     HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, IEEE: tl.constexpr,
+    MX: tl.constexpr,
 ):
     m = tl.program_id(0)
     e = tl.load(tiles_ptr + m)
@@ -207,15 +230,28 @@ def _gate_up_kernel(
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, D, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < D
-            x = tl.load(x_ptr + tok[:, None] * stride_x + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
-                        other=0.0)  # [BM, BK]
-            g = _dot(x, _load_w(w_base, offs_n, offs_k, mask_n, mask_k, stride_wn, FP8, CDT), IEEE)
-            u = _dot(x, _load_w(w_base + I * stride_wn, offs_n, offs_k, mask_n, mask_k, stride_wn, FP8, CDT), IEEE)
-            if FP8:  # the block's partial products times their rows' scales (gate's grid, then up's from NB)
-                g *= _load_s(s_base, offs_n, mask_n, 0, stride_sn, k0, SB)[None, :]
-                u *= _load_s(s_base, offs_n, mask_n, NB, stride_sn, k0, SB)[None, :]
+            if MX:  # D/2 bytes per row: x's even and odd columns meet the bytes' low and high nibbles
+                offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                mask_kb = offs_kb < D // 2
+                xm = valid[:, None] & mask_kb[None, :]
+                xe = tl.load(x_ptr + tok[:, None] * stride_x + 2 * offs_kb[None, :], mask=xm, other=0.0)  # [BM, BK/2]
+                xo = tl.load(x_ptr + tok[:, None] * stride_x + 2 * offs_kb[None, :] + 1, mask=xm, other=0.0)
+                we, wo = _load_mx(w_base, s_base, offs_n, offs_kb, k0, mask_n, mask_kb, D // 2, stride_wn, stride_sn,
+                                  CDT, BLOCK_K, BLOCK_N)
+                g = _dot(xe, we, IEEE) + _dot(xo, wo, IEEE)
+                we, wo = _load_mx(w_base + I * stride_wn, s_base + I * stride_sn, offs_n, offs_kb, k0, mask_n,
+                                  mask_kb, D // 2, stride_wn, stride_sn, CDT, BLOCK_K, BLOCK_N)
+                u = _dot(xe, we, IEEE) + _dot(xo, wo, IEEE)
+            else:
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mask_k = offs_k < D
+                x = tl.load(x_ptr + tok[:, None] * stride_x + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
+                            other=0.0)  # [BM, BK]
+                g = _dot(x, _load_w(w_base, offs_n, offs_k, mask_n, mask_k, stride_wn, FP8, CDT), IEEE)
+                u = _dot(x, _load_w(w_base + I * stride_wn, offs_n, offs_k, mask_n, mask_k, stride_wn, FP8, CDT), IEEE)
+                if FP8:  # the block's partial products times their rows' scales (gate's grid, then up's from NB)
+                    g *= _load_s(s_base, offs_n, mask_n, 0, stride_sn, k0, SB)[None, :]
+                    u *= _load_s(s_base, offs_n, mask_n, NB, stride_sn, k0, SB)[None, :]
             acc_g += g
             acc_u += u
         if HAS_BIAS:
@@ -237,7 +273,7 @@ def _down_kernel(
     R, D, I,
     stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_y,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, MX: tl.constexpr,
 ):
     m = tl.program_id(0)
     e = tl.load(tiles_ptr + m)
@@ -252,12 +288,22 @@ def _down_kernel(
         CDT = act_ptr.dtype.element_ty
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < I
-            a = tl.load(act_ptr + rows[:, None] * stride_act + offs_k[None, :], mask=mask_k[None, :], other=0.0)
-            part = _dot(a, _load_w(w_base, offs_n, offs_k, mask_n, mask_k, stride_wn, FP8, CDT), IEEE)
-            if FP8:
-                part *= _load_s(s_base, offs_n, mask_n, 0, stride_sn, k0, SB)[None, :]
+            if MX:  # I/2 bytes per row
+                offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                mask_kb = offs_kb < I // 2
+                a_ptrs = act_ptr + rows[:, None] * stride_act + 2 * offs_kb[None, :]
+                ae = tl.load(a_ptrs, mask=mask_kb[None, :], other=0.0)  # [BM, BK/2]
+                ao = tl.load(a_ptrs + 1, mask=mask_kb[None, :], other=0.0)
+                we, wo = _load_mx(w_base, s_base, offs_n, offs_kb, k0, mask_n, mask_kb, I // 2, stride_wn, stride_sn,
+                                  CDT, BLOCK_K, BLOCK_N)
+                part = _dot(ae, we, IEEE) + _dot(ao, wo, IEEE)
+            else:
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mask_k = offs_k < I
+                a = tl.load(act_ptr + rows[:, None] * stride_act + offs_k[None, :], mask=mask_k[None, :], other=0.0)
+                part = _dot(a, _load_w(w_base, offs_n, offs_k, mask_n, mask_k, stride_wn, FP8, CDT), IEEE)
+                if FP8:
+                    part *= _load_s(s_base, offs_n, mask_n, 0, stride_sn, k0, SB)[None, :]
             acc += part
         if HAS_BIAS:
             acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -281,16 +327,25 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, A, D, stride_y, stride_out, BLOCK: 
 
 def _check(hidden, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale, bias):
     T, A = topk_ids.shape
-    E, two_i, D = gate_up.shape
+    mx = gate_up.dtype == torch.uint8  # MXFP4: half a byte per weight
+    E, two_i = gate_up.shape[:2]
     I = two_i // 2
-    if hidden.shape != (T, D) or down.shape != (E, D, I) or topk_weights.shape != (T, A):
+    D = gate_up.shape[2] * (2 if mx else 1)
+    if hidden.shape != (T, D) or tuple(down.shape) != (E, D, I // 2 if mx else I) or topk_weights.shape != (T, A):
         raise ValueError(f"moe_gemm: shapes hidden {tuple(hidden.shape)}, topk_ids {tuple(topk_ids.shape)}, "
                          f"topk_weights {tuple(topk_weights.shape)}, gate_up {tuple(gate_up.shape)}, "
                          f"down {tuple(down.shape)} do not match [T, D], [T, A], [T, A], [E, 2I, D], [E, D, I]")
     if gate_up.stride(2) != 1 or down.stride(2) != 1:
         raise ValueError("moe_gemm: gate_up and down need a contiguous last dimension")
     nb, nd = triton.cdiv(I, SCALE_BLOCK), triton.cdiv(D, SCALE_BLOCK)
-    if gate_up_scale is not None and (down_scale is None or gate_up_scale.shape != (E, 2 * nb, nd)
+    if mx:
+        if (D % MX_BLOCK or I % MX_BLOCK or gate_up_scale is None or down_scale is None
+                or tuple(gate_up_scale.shape) != (E, two_i, D // MX_BLOCK)
+                or tuple(down_scale.shape) != (E, D, I // MX_BLOCK)
+                or gate_up_scale.stride(2) != 1 or down_scale.stride(2) != 1):
+            raise ValueError(f"moe_gemm: MXFP4 banks need D ({D}) and I ({I}) multiples of {MX_BLOCK} and scales "
+                             f"[E, 2I, D/32] = {(E, two_i, D // MX_BLOCK)}, [E, D, I/32] = {(E, D, I // MX_BLOCK)}")
+    elif gate_up_scale is not None and (down_scale is None or gate_up_scale.shape != (E, 2 * nb, nd)
                                       or down_scale.shape != (E, nd, nb) or gate_up_scale.stride(2) != 1
                                       or down_scale.stride(2) != 1):
         raise ValueError(f"moe_gemm: fp8 scales gate_up_scale {tuple(gate_up_scale.shape)}, down_scale "
@@ -309,20 +364,24 @@ def moe_gemm(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     """hidden [T, D] · topk_ids [T, A] int (-1 = skip) · topk_weights [T, A] · gate_up [E, 2I, D] ·
     down [E, D, I] · act: None (silu(gate) * up) or a ClampedSwiGLU · bias: (gate_up_bias [E, 2I],
     down_bias [E, D]) or None · FP8 banks: gate_up_scale [E, 2*ceil(I/128), ceil(D/128)] and down_scale
-    [E, ceil(D/128), ceil(I/128)] fp32 · config: a GemmConfig, default from the table -> [T, D] in hidden's
-    dtype (fp32 accumulation). Same contract as moe_reference."""
+    [E, ceil(D/128), ceil(I/128)] fp32 · MXFP4 banks (told apart by their uint8 weights): gate_up [E, 2I, D/2],
+    down [E, D, I/2], gate_up_scale [E, 2I, D/32], down_scale [E, D, I/32] uint8 · config: a GemmConfig, default
+    from the table -> [T, D] in hidden's dtype (fp32 accumulation). Same contract as moe_reference."""
     T, A, E, D, I, nb = _check(hidden, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale, bias)
-    fp8 = gate_up_scale is not None
+    mx = gate_up.dtype == torch.uint8
+    fp8 = gate_up_scale is not None and not mx
     R = T * A
     cfg = config or pick_config(R, E, hidden.device)
     if fp8 and (SCALE_BLOCK % cfg.block_k or SCALE_BLOCK % cfg.block_k2):
         raise ValueError(f"moe_gemm: fp8 needs block_k and block_k2 dividing {SCALE_BLOCK}, got {cfg}")
+    if mx and (cfg.block_k % MX_BLOCK or cfg.block_k2 % MX_BLOCK):
+        raise ValueError(f"moe_gemm: MXFP4 needs block_k and block_k2 multiples of {MX_BLOCK}, got {cfg}")
     dev = hidden.device
     hidden = hidden.contiguous()
     ids = topk_ids.reshape(-1).contiguous()  # [R]
     routes, tile_expert = align_routes(ids, E, cfg.block_m)
     NT = tile_expert.numel()
-    gs, ds = (gate_up_scale, down_scale) if fp8 else (gate_up, down)  # not read unless FP8
+    gs, ds = (gate_up_scale, down_scale) if fp8 or mx else (gate_up, down)  # not read unless FP8 / MXFP4
     bg, bd = bias if bias is not None else (gate_up, down)  # not read without biases
     ieee = hidden.dtype == torch.float32
     act_buf = torch.empty((NT * cfg.block_m, I), dtype=hidden.dtype, device=dev)  # [M, I] padded rows
@@ -334,7 +393,7 @@ def moe_gemm(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         act_buf.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FP8=fp8, SB=SCALE_BLOCK,
         HAS_BIAS=bias is not None, CLAMPED=act is not None, ALPHA=float(getattr(act, "alpha", 1.0)),
-        LIMIT=float(getattr(act, "limit", 0.0)), IEEE=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        LIMIT=float(getattr(act, "limit", 0.0)), IEEE=ieee, MX=mx, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     weights = topk_weights.reshape(-1).contiguous()  # [R]
     _down_kernel[(NT, triton.cdiv(D, cfg.block_n2))](
@@ -342,7 +401,7 @@ def moe_gemm(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         R, D, I,
         act_buf.stride(0), down.stride(0), down.stride(1), ds.stride(0), ds.stride(1), bd.stride(0), y.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, FP8=fp8, SB=SCALE_BLOCK,
-        HAS_BIAS=bias is not None, IEEE=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_BIAS=bias is not None, IEEE=ieee, MX=mx, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     out = torch.empty((T, D), dtype=hidden.dtype, device=dev)  # [T, D]
     _combine_kernel[(T, triton.cdiv(D, 256))](y, ids, out, A, D, y.stride(0), out.stride(0), BLOCK=256)

@@ -1,7 +1,7 @@
-"""Compile kernels/moe_gemm.py's kernels for sm_90 with the Triton wheel's own ptxas, no GPU needed: bf16 and
-fp8_block weights, silu and gpt-oss (biases, clamped SwiGLU), every launch config of the default table. What the
-interpreter lets through but the compiler rejects (a dot on a shape or dtype the tensor cores lack, a constexpr
-passed the wrong way) fails here. Run by test_compile_sm90.py in a process of its own (TRITON_INTERPRET unset);
+"""Compile kernels/moe_gemm.py's kernels for sm_90 with the Triton wheel's own ptxas, no GPU needed: bf16,
+fp8_block and mxfp4 weights, silu and gpt-oss (biases, clamped SwiGLU), every launch config of the default
+table; and kernels/moe_gemv.py's in the same formats. What the interpreter lets through but the compiler
+rejects (a dot on a shape or dtype the tensor cores lack, a constexpr passed the wrong way) fails here. Run by test_compile_sm90.py in a process of its own (TRITON_INTERPRET unset);
 prints one line per compiled kernel."""
 
 import inspect
@@ -15,6 +15,7 @@ from triton.compiler import ASTSource
 assert not os.environ.get("TRITON_INTERPRET"), "the compiler, not the interpreter: unset TRITON_INTERPRET"
 
 import kernels.moe_gemm as mg  # noqa: E402
+import kernels.moe_gemv as gv  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # the H200
 
@@ -45,11 +46,11 @@ def main() -> None:
     n = compile_kernel(mg._combine_kernel, {"y_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": "*bf16"},
                        {"BLOCK": 256}, 4, 3)
     print(f"combine: {n} bytes")
-    for fmt, w, s in (("bf16", "*bf16", "*bf16"), ("fp8", "*fp8e4nv", "*fp32")):
+    for fmt, w, s in (("bf16", "*bf16", "*bf16"), ("fp8", "*fp8e4nv", "*fp32"), ("mxfp4", "*u8", "*u8")):
         for gpt_oss in (False, True):
             for cfg in mg.all_configs(torch.device("cpu")):  # the default table (what an untuned device gets)
-                common = {"SB": mg.SCALE_BLOCK, "FP8": fmt == "fp8", "HAS_BIAS": gpt_oss, "IEEE": False,
-                          "BLOCK_M": cfg.block_m}
+                common = {"SB": mg.SCALE_BLOCK, "FP8": fmt == "fp8", "MX": fmt == "mxfp4", "HAS_BIAS": gpt_oss,
+                          "IEEE": False, "BLOCK_M": cfg.block_m}
                 n1 = compile_kernel(mg._gate_up_kernel,
                                     {"x_ptr": "*bf16", "routes_ptr": "*i32", "tiles_ptr": "*i32", "w_ptr": w,
                                      "s_ptr": s, "b_ptr": "*bf16", "act_ptr": "*bf16"},
@@ -61,6 +62,20 @@ def main() -> None:
                                     {**common, "BLOCK_N": cfg.block_n2, "BLOCK_K": cfg.block_k2},
                                     cfg.num_warps, cfg.num_stages)
                 print(f"gate_up/down {fmt} gpt_oss={gpt_oss} m{cfg.block_m}: {n1} {n2} bytes")
+    # the GEMV (kernels/moe_gemv.py) in every weight format, plain and gpt-oss
+    for quant, w, s in ((gv.PLAIN, "*bf16", "*bf16"), (gv.FP8, "*fp8e4nv", "*fp32"), (gv.MXFP4, "*u8", "*u8")):
+        for gpt_oss in (False, True):
+            n1 = compile_kernel(gv._gate_up_act_kernel,
+                                {"x_ptr": "*bf16", "ids_ptr": "*i64", "gate_up_ptr": w, "act_ptr": "*fp32",
+                                 "gs_ptr": s, "gb_ptr": "*bf16", "alpha": "fp32", "limit": "fp32"},
+                                {"BLOCK_I": gv.BLOCK_I, "BLOCK_K": gv.BLOCK_K1, "QUANT": quant, "SB": gv.SCALE_BLOCK,
+                                 "BIAS": gpt_oss, "CLAMP": gpt_oss}, 4, 3)
+            n2 = compile_kernel(gv._down_kernel,
+                                {"act_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32", "down_ptr": w, "y_ptr": "*fp32",
+                                 "ds_ptr": s, "db_ptr": "*bf16"},
+                                {"BLOCK_D": gv.BLOCK_D, "BLOCK_K": gv.BLOCK_K2, "QUANT": quant, "SB": gv.SCALE_BLOCK,
+                                 "BIAS": gpt_oss}, 4, 3)
+            print(f"gemv quant={quant} gpt_oss={gpt_oss}: {n1} {n2} bytes")
 
 
 if __name__ == "__main__":

@@ -33,5 +33,7 @@ def test_moe_gemm_kernels_compile_for_sm90(tmp_path):
     lines = [x for x in done.stdout.split("\n") if x.startswith("gate_up/down")]
     from kernels.moe_gemm import CONFIGS
 
-    assert len(lines) == 2 * 2 * len(CONFIGS["default"])  # bf16/fp8 x silu/gpt-oss x the default table
-    assert all(int(n) > 0 for x in lines for n in x.split(":")[1].split()[:2])
+    assert len(lines) == 3 * 2 * len(CONFIGS["default"])  # bf16/fp8/mxfp4 x silu/gpt-oss x the default table
+    gemv = [x for x in done.stdout.split("\n") if x.startswith("gemv")]
+    assert len(gemv) == 3 * 2  # bf16/fp8/mxfp4 x silu/gpt-oss
+    assert all(int(n) > 0 for x in lines + gemv for n in x.split(":")[1].split()[:2])

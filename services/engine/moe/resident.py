@@ -21,7 +21,8 @@ Ways to compute the routed experts, same maths as ``moe_reference`` (``moe_compu
 FP8 experts (the fp8_block format) come as ``gate_up_scale`` / ``down_scale`` keywords beside the fp8
 ``gate_up`` / ``down`` (``fp8_scales(banks)`` picks them out of a layer's or the cache's banks): they
 are dequantized per expert (grouped), per gathered route (gathered) or in the Triton kernels' registers
-(GEMV, GEMM).
+(GEMV, GEMM). MXFP4 banks (uint8, told apart by their dtype in the kernels) are decoded in registers by
+both Triton kernels too.
 """
 
 from __future__ import annotations
@@ -130,8 +131,7 @@ class DecodeKernel:
                     from kernels.moe_gemv import moe_gemv
 
                     self._gemv, self._gemm = moe_gemv, moe_gemm
-                # the GEMV for a few routes, and for MXFP4 banks (uint8) at any size: the GEMM has no MXFP4 yet
-                if R <= GEMV_MAX_ROUTES or gate_up.dtype == torch.uint8:
+                if R <= GEMV_MAX_ROUTES:
                     return self._gemv(hidden, topk_ids, topk_weights, gate_up, down, *scales, act=act, bias=bias)
                 return self._gemm(hidden, topk_ids, topk_weights, gate_up, down, act, bias, *scales)
             except Exception as e:  # noqa: BLE001 - keep serving; stats() shows the kernel in use
@@ -160,7 +160,7 @@ class DecodeKernel:
         w = torch.full((2, top_k), 1.0 / top_k, device=hidden.device)
         self(x[:1], ids[:1], w[:1], gate_up, down, act, bias, **scales)  # the GEMV
         calls = 1
-        for cfg in all_configs(hidden.device) if gate_up.dtype != torch.uint8 else ():  # MXFP4: GEMV only
+        for cfg in all_configs(hidden.device):
             if self.kind != "triton":
                 break
             self._gemm(x, ids, w, gate_up, down, act, bias, *(scales.get(n) for n in SCALE_BANKS), config=cfg)
