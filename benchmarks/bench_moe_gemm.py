@@ -12,7 +12,10 @@ top-k of E uniformly at random per token (the synthetic models' routers); every 
 moe_reference in fp32 first (fp8: on the dequantized experts). ``--sweep`` times every candidate launch
 config of the GEMM per size and prints the best: what goes into kernels/moe_gemm.CONFIGS for a device.
 
-    python -m benchmarks.bench_moe_gemm [--tokens 1,4,8,16,32,64,256] [--fp8] [--sweep] [--json out.json]
+    python -m benchmarks.bench_moe_gemm [--tokens 1,4,8,16,32,64,256] [--fp8 | --mxfp4] [--gpt-oss] [--sweep] [--json out.json]
+
+    # gpt-oss-120b's layer: MXFP4 experts, biases and the clamped SwiGLU, top-4 of 128
+    python -m benchmarks.bench_moe_gemm --mxfp4 --gpt-oss --experts 128 --top-k 4 --hidden 2880 --inter 2880
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ from tqdm import tqdm
 from benchmarks.bench_gemv import graph_us
 from kernels.moe_gemm import GemmConfig, moe_gemm, pick_config
 from kernels.moe_gemv import moe_gemv
+from services.engine.models import mxfp4
 from services.engine.moe.fp8 import dequantize, dequantize_gate_up, quantize, quantize_gate_up
-from services.engine.moe.reference import moe_reference
+from services.engine.moe.reference import ClampedSwiGLU, moe_reference
 
 GB = 1e9
 
@@ -51,16 +55,23 @@ def hbm_ceiling_GBs(nbytes: int = 2 << 30, reps: int = 10) -> float:
     return 2 * nbytes / (best * 1e-6) / GB
 
 
-def make_experts(E: int, D: int, I: int, fp8: bool, g: torch.Generator) -> dict:
+def make_experts(E: int, D: int, I: int, fmt: str, g: torch.Generator) -> dict:
     gate_up = torch.randn(E, 2 * I, D, generator=g) / D ** 0.5
     down = torch.randn(E, D, I, generator=g) / I ** 0.5
-    if not fp8:
+    if fmt == "bf16":
         return {"gate_up": gate_up.to("cuda", torch.bfloat16), "down": down.to("cuda", torch.bfloat16)}
+    if fmt == "mxfp4":  # the bank layout: [rows, cols/2] bytes, [rows, cols/32] E8M0
+        (bg, sg), (bd, sd) = mxfp4.quantize(gate_up), mxfp4.quantize(down)
+        return {"gate_up": bg.reshape(E, 2 * I, D // 2).cuda(), "down": bd.reshape(E, D, I // 2).cuda(),
+                "gate_up_scale": sg.cuda(), "down_scale": sd.cuda()}
     (qg, sg), (qd, sd) = quantize_gate_up(gate_up), quantize(down)
     return {"gate_up": qg.cuda(), "down": qd.cuda(), "gate_up_scale": sg.cuda(), "down_scale": sd.cuda()}
 
 
 def dense_fp32(banks: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    if banks["gate_up"].dtype == torch.uint8:  # mxfp4
+        unpack = [(banks[w], banks[f"{w}_scale"]) for w in ("gate_up", "down")]
+        return tuple(mxfp4.dequantize(q.reshape(*q.shape[:2], -1, 16), s, torch.float32) for q, s in unpack)
     if "gate_up_scale" in banks:
         return (dequantize_gate_up(banks["gate_up"], banks["gate_up_scale"]),
                 dequantize(banks["down"], banks["down_scale"]))
@@ -74,7 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=8, help="A (default: 8)")
     p.add_argument("--hidden", type=int, default=2048, help="D (default: 2048)")
     p.add_argument("--inter", type=int, default=768, help="I (default: 768)")
-    p.add_argument("--fp8", action="store_true", help="fp8_block experts (128x128 block scales) instead of bf16")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--fp8", action="store_true", help="fp8_block experts (128x128 block scales) instead of bf16")
+    fmt.add_argument("--mxfp4", action="store_true", help="MXFP4 experts (gpt-oss's packed e2m1 + E8M0 per 32) "
+                                                         "instead of bf16; D and I multiples of 32")
+    p.add_argument("--gpt-oss", action="store_true", help="gpt-oss expert maths: per-expert biases and the clamped "
+                                                         "SwiGLU (alpha 1.702, limit 7)")
     p.add_argument("--sweep", action="store_true", help="also time every candidate GEMM launch config per size")
     p.add_argument("--calls", type=int, default=20, help="calls captured per CUDA graph")
     p.add_argument("--replays", type=int, default=10, help="graph replays; the best is kept")
@@ -88,10 +104,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         p.error(f"--tokens: expected a comma list of integers, got {args.tokens!r}")
     E, A, D, I = args.experts, args.top_k, args.hidden, args.inter
+    fmt_name = "fp8_block" if args.fp8 else "mxfp4" if args.mxfp4 else "bf16"
+    if args.mxfp4 and (D % 32 or I % 32):
+        p.error(f"--mxfp4: --hidden ({D}) and --inter ({I}) must be multiples of 32")
     g = torch.Generator().manual_seed(0)
-    banks = make_experts(E, D, I, args.fp8, g)
+    banks = make_experts(E, D, I, "bf16" if fmt_name == "bf16" else "fp8" if args.fp8 else "mxfp4", g)
     expert_bytes = sum(t[0].numel() * t.element_size() for t in banks.values())
     dense = dense_fp32(banks)
+    act = ClampedSwiGLU() if args.gpt_oss else None
+    bias = ((torch.randn(E, 2 * I, generator=g).to("cuda", torch.bfloat16),
+             torch.randn(E, D, generator=g).to("cuda", torch.bfloat16)) if args.gpt_oss else None)
+    bias32 = None if bias is None else tuple(b.float() for b in bias)
     ceiling = hbm_ceiling_GBs()
     kw = {k: v for k, v in banks.items() if k.endswith("_scale")}
     rows = []
@@ -100,13 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         ids = torch.stack([torch.randperm(E, generator=g)[:A] for _ in range(T)]).cuda()
         weights = torch.rand(T, A, generator=g).cuda()
         distinct = int(torch.unique(ids).numel())
-        ref = moe_reference(hidden.float(), ids, weights, *dense)
+        ref = moe_reference(hidden.float(), ids, weights, *dense, act, bias32)
 
         def gemv():
-            return moe_gemv(hidden, ids, weights, banks["gate_up"], banks["down"], **kw)
+            return moe_gemv(hidden, ids, weights, banks["gate_up"], banks["down"], act=act, bias=bias, **kw)
 
         def gemm(cfg=None):
-            return moe_gemm(hidden, ids, weights, banks["gate_up"], banks["down"], config=cfg, **kw)
+            return moe_gemm(hidden, ids, weights, banks["gate_up"], banks["down"], act, bias, config=cfg, **kw)
 
         for name, fn in (("gemv", gemv), ("gemm", gemm)):  # bf16 rounding: relative to the output's scale
             err = ((fn().float() - ref).abs().max() / ref.abs().max()).item()
@@ -129,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             row.update(best_us=timed[best], best_config=vars(best),
                        best_GBs=distinct * expert_bytes / (timed[best] * 1e-6) / GB)
         rows.append(row)
-    print(f"E={E} top-{A} D={D} I={I} {'fp8_block' if args.fp8 else 'bf16'}: {expert_bytes / 1e6:.1f} MB per "
+    print(f"E={E} top-{A} D={D} I={I} {fmt_name}{' gpt-oss' if args.gpt_oss else ''}: {expert_bytes / 1e6:.1f} MB per "
           f"expert; HBM ceiling (copy, read + write) {ceiling:.0f} GB/s")
     print(f"{'T':>5} | {'routes':>6} | {'experts':>7} | {'GEMV us':>8} | {'GB/s':>6} | {'GEMM us':>8} | {'GB/s':>6} | "
           f"{'% ceil':>6}" + (" | best us | best config" if args.sweep else ""))
