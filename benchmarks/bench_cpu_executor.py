@@ -56,10 +56,11 @@ from services.engine.moe.cpu_executor import CpuExecutor, default_num_threads
 from services.profiler.handoff_cost import measure_c_sync
 
 
-def activation_dtype(banks: ExpertBanks) -> torch.dtype:
-    """The hidden states' dtype for these banks: theirs, or bf16 (how FP8 experts are served)."""
+def activation_dtype(banks: ExpertBanks, fp8_activations: str = "bfloat16") -> torch.dtype:
+    """The hidden states' dtype for these banks: theirs, or for FP8 experts ``fp8_activations`` (bf16:
+    a bf16 model, the dpbf16 kernel; float32: an fp32 model, the exact fp32-input kernel)."""
     dtype = banks.layers[0].tensors["down"].dtype
-    return torch.bfloat16 if dtype == torch.float8_e4m3fn else dtype
+    return getattr(torch, fp8_activations) if dtype == torch.float8_e4m3fn else dtype
 
 
 def make_banks(dtype: str, layers: int, E: int, D: int, I: int) -> ExpertBanks:
@@ -82,11 +83,13 @@ def make_banks(dtype: str, layers: int, E: int, D: int, I: int) -> ExpertBanks:
     return banks
 
 
-def gemv_trial(ex: CpuExecutor, banks: ExpertBanks, A: int, seconds: float, step0: int, tokens: int) -> tuple[float, int]:
-    """Bytes/s of bs=`tokens` decode steps for `seconds`, experts rotating over layers and ids."""
+def gemv_trial(ex: CpuExecutor, banks: ExpertBanks, A: int, seconds: float, step0: int, tokens: int,
+               dtype: torch.dtype) -> tuple[float, int]:
+    """Bytes/s of bs=`tokens` decode steps for `seconds` (hidden states in ``dtype``), experts rotating
+    over layers and ids."""
     E = banks.layers[0].num_experts
     D = banks.layers[0].tensors["down"].shape[1]
-    hidden = torch.randn(tokens, D).to(activation_dtype(banks))  # [T, D]
+    hidden = torch.randn(tokens, D).to(dtype)  # [T, D]
     weights = torch.rand(tokens, A)  # [T, A]
     base = torch.arange(A) * (E // A)  # A distinct experts spread over the bank
     nbytes, n, t0 = 0, step0, time.perf_counter()
@@ -99,11 +102,11 @@ def gemv_trial(ex: CpuExecutor, banks: ExpertBanks, A: int, seconds: float, step
     return nbytes / (time.perf_counter() - t0), n
 
 
-def cpu_roundtrip(ex: CpuExecutor, banks: ExpertBanks, A: int, routes: int, n: int = 2000) -> float:
+def cpu_roundtrip(ex: CpuExecutor, banks: ExpertBanks, A: int, routes: int, dtype: torch.dtype, n: int = 2000) -> float:
     """Median seconds of submit() + wait() on the host (no GPU) for one token with ``routes`` of its A
     routes valid (the rest -1): the CPU side of the handoff's fixed cost."""
     D = banks.layers[0].tensors["down"].shape[1]
-    x = torch.randn(1, D).to(activation_dtype(banks))  # [1, D]
+    x = torch.randn(1, D).to(dtype)  # [1, D]
     ids = torch.full((1, A), -1, dtype=torch.int64)  # [1, A]
     ids[0, :routes] = torch.arange(routes)
     w, out = torch.rand(1, A), torch.empty(1, D)
@@ -125,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--intermediate", type=int, default=768, help="expert intermediate size I (default: %(default)s)")
     p.add_argument("--dtype", choices=["bfloat16", "float32", "fp8"], default="bfloat16",
                    help="bank dtype; fp8 = the fp8_block format with bf16 activations (default: %(default)s)")
+    p.add_argument("--fp8-activations", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="with --dtype fp8: the hidden states' dtype, bfloat16 (a bf16 model: the dpbf16 kernel) or "
+                        "float32 (an fp32 model: the exact fp32-input kernel) (default: %(default)s)")
     p.add_argument("--layers", type=int, default=1, help="banks rotated through (more layers: colder caches)")
     p.add_argument("--tokens", type=int, default=1, help="tokens per step (bs)")
     p.add_argument("--threads", type=int, default=None,
@@ -137,15 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     banks = make_banks(args.dtype, args.layers, args.experts, args.hidden, args.intermediate)
-    dtype = activation_dtype(banks)
+    dtype = activation_dtype(banks, args.fp8_activations)
     ex = CpuExecutor(banks, num_threads=args.threads or default_num_threads(leave_driver_core=True), isa=args.isa)
     read_buf = torch.ones(args.read_mib * (1 << 20) // 4, dtype=torch.float32)
-    gemv_trial(ex, banks, args.top_k, 0.2, 0, args.tokens)  # warm-up: threads, page tables
+    gemv_trial(ex, banks, args.top_k, 0.2, 0, args.tokens, dtype)  # warm-up: threads, page tables
 
     reads, gemvs, step = [], [], 0
     for _ in range(args.rounds):
         reads.append(read_buf.numel() * 4 / ex._impl.read_seconds(read_buf, 3))
-        bw, step = gemv_trial(ex, banks, args.top_k, args.trial_seconds, step, args.tokens)
+        bw, step = gemv_trial(ex, banks, args.top_k, args.trial_seconds, step, args.tokens, dtype)
         gemvs.append(bw)
     t0 = time.perf_counter()
     for _ in range(3):
@@ -154,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
 
     expert_mb = banks.expert_nbytes() / 1e6
     res = {
-        "isa": ex.isa, "threads": ex.num_threads, "dtype": args.dtype, "tokens": args.tokens,
+        "isa": ex.isa, "threads": ex.num_threads, "dtype": args.dtype, "activations": str(dtype).removeprefix("torch."),
+        "fp8_kernel": ("dpbf16" if dtype == torch.bfloat16 and ex.fp8_bf16_inputs else "fp32-input") if args.dtype == "fp8" else "",
+        "tokens": args.tokens,
         "experts": args.experts, "top_k": args.top_k, "hidden": args.hidden, "intermediate": args.intermediate,
         "expert_mb": expert_mb,
         "read_ceiling_gbs": max(reads) / 1e9, "read_median_gbs": statistics.median(reads) / 1e9,
@@ -163,13 +171,14 @@ def main(argv: list[str] | None = None) -> int:
         "ms_per_layer_step": args.top_k * banks.expert_nbytes() / max(gemvs) * 1e3,
     }
     res["executor_vs_ceiling"] = res["executor_gbs"] / res["read_ceiling_gbs"]
-    res["cpu_roundtrip_empty_s"] = cpu_roundtrip(ex, banks, args.top_k, 0)
-    res["cpu_roundtrip_1route_s"] = cpu_roundtrip(ex, banks, args.top_k, 1, n=300)
+    res["cpu_roundtrip_empty_s"] = cpu_roundtrip(ex, banks, args.top_k, 0, dtype)
+    res["cpu_roundtrip_1route_s"] = cpu_roundtrip(ex, banks, args.top_k, 1, dtype, n=300)
     if torch.cuda.is_available():
         res.update(measure_c_sync(ex, args.hidden, args.top_k, dtype))
         res["device"] = torch.cuda.get_device_name()
 
-    print(f"CPU MoE executor · isa {res['isa']} · {res['threads']} threads · {args.dtype} · bs={args.tokens} · "
+    kernel = f" ({res['fp8_kernel']} kernel, {res['activations']} activations)" if res["fp8_kernel"] else ""
+    print(f"CPU MoE executor · isa {res['isa']} · {res['threads']} threads · {args.dtype}{kernel} · bs={args.tokens} · "
           f"top-{args.top_k} of {args.experts} · expert {args.hidden}x{args.intermediate} ({expert_mb:.1f} MB)")
     print(f"{'measure':<36}{'best GB/s':>12}{'median GB/s':>14}")
     print(f"{'CPU read ceiling (pool, AVX sum)':<36}{res['read_ceiling_gbs']:>12.1f}{res['read_median_gbs']:>14.1f}")

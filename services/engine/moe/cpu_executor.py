@@ -259,6 +259,13 @@ class CpuExecutor:
         return self._impl.isa
 
     @property
+    def fp8_bf16_inputs(self) -> bool:
+        """Whether fp8_block banks run the vdpbf16ps kernel when hidden states come in bf16 (the SwiGLU
+        output then rounds to bf16 between gate_up and down, as in a bf16 model's GPU path); fp32
+        hidden states always take the exact fp32-input kernel."""
+        return self._impl.fp8_bf16_inputs
+
+    @property
     def num_threads(self) -> int:
         return self._impl.num_threads
 

@@ -114,6 +114,7 @@ struct Job {
   int64_t ready_value = 0;
   int T = 0, A = 0, D = 0, I = 0, E = 0;
   WDtype wdt = WDtype::F32;
+  bool bf16_inputs = false;          // the GEMVs take bf16 inputs (x_bf16, act_bf16), else fp32
   // scratch, sized in submit() for the worst case R = T*A
   std::vector<int> count;            // [E]
   std::vector<int> group_expert;     // [G]
@@ -194,6 +195,7 @@ class Executor {
   }
 
   std::string isa() const { return k_.name; }
+  bool fp8_bf16_inputs() const { return k_.gemv_fp8_bx != nullptr; }
   int64_t num_threads() const { return n_; }
 
   // hidden [T, D] fp32|bf16 · ids [T, A] int64|int32 (< 0: skipped) · weights [T, A] fp32|bf16 ·
@@ -272,6 +274,11 @@ class Executor {
     j.ready_value = ready_value;
     j.T = T; j.A = A; j.D = D; j.I = I; j.E = E;
     j.wdt = fp8 ? WDtype::FP8 : gate_up.scalar_type() == torch::kBFloat16 ? WDtype::BF16 : WDtype::F32;
+    // bf16 inputs to the dpbf16 kernels: bf16 weights always (where the CPU has the kernel); FP8 weights when
+    // the model computes in bf16 (hidden arrives in bf16, so only the SwiGLU output is rounded, as the
+    // GPU's bf16 path rounds it). An fp32 model's FP8 experts keep the fp32-input kernel: exact products.
+    j.bf16_inputs = j.wdt == WDtype::BF16 ? k_.bf16_wants_bf16_x
+               : j.wdt == WDtype::FP8 && hidden.scalar_type() == torch::kBFloat16 && k_.gemv_fp8_bx != nullptr;
     const auto math = expert_math_.find(gate_up.data_ptr());
     j.gate_up_bias = math == expert_math_.end() ? nullptr : math->second.first;
     j.down_bias = math == expert_math_.end() ? nullptr : math->second.second;
@@ -595,7 +602,7 @@ class Executor {
   }
 
  private:
-  bool bf16_x() const { return job_.wdt == WDtype::BF16 && k_.bf16_wants_bf16_x; }
+  bool bf16_x() const { return job_.bf16_inputs; }
 
   void worker(int tid, int cpu) {
     if (cpu >= 0) {  // pin: one worker per physical core, no migration mid-stream
@@ -743,7 +750,8 @@ class Executor {
   }
 
   GemvFn gemv() const {
-    return job_.wdt == WDtype::FP8 ? k_.gemv_fp8 : job_.wdt == WDtype::BF16 ? k_.gemv_bf16 : k_.gemv_f32;
+    if (job_.wdt == WDtype::FP8) return job_.bf16_inputs ? k_.gemv_fp8_bx : k_.gemv_fp8;
+    return job_.wdt == WDtype::BF16 ? k_.gemv_bf16 : k_.gemv_f32;
   }
   size_t welem() const { return job_.wdt == WDtype::FP8 ? 1 : job_.wdt == WDtype::BF16 ? 2 : 4; }
   static int64_t blocks(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
@@ -886,6 +894,37 @@ class Executor {
   std::atomic<int> remaining_{0};
 };
 
+// One FP8 GEMV kernel alone, on the calling thread (tests: every e4m3 code through every kernel):
+// W [N, K] float8_e4m3fn · scale [ceil(N/128), ceil(K/128)] fp32 · X [T, K] fp32 (the exact kernel) or
+// bf16 (the dpbf16 kernel) -> Y [T, N] fp32, Y[t, n] = sum_k W[n, k] scale[n/128, k/128] X[t, k].
+static torch::Tensor gemv_fp8(const std::string& isa, torch::Tensor W, torch::Tensor scale, torch::Tensor X) {
+  const IsaKernels k = select_kernels(isa.c_str());
+  TORCH_CHECK(k.name != nullptr, "gemv_fp8: ISA '", isa, "' is not supported by this CPU");
+  TORCH_CHECK(W.scalar_type() == torch::kFloat8_e4m3fn && W.dim() == 2 && W.is_contiguous(), "gemv_fp8: W must be contiguous e4m3 [N, K]");
+  const int64_t N = W.size(0), K = W.size(1);
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.dim() == 2 &&
+              scale.size(0) == (N + kFp8Block - 1) / kFp8Block && scale.size(1) == (K + kFp8Block - 1) / kFp8Block,
+              "gemv_fp8: scale must be contiguous fp32 [ceil(N/128), ceil(K/128)]");
+  TORCH_CHECK(X.dim() == 2 && X.size(1) == K && X.is_contiguous(), "gemv_fp8: X must be contiguous [T, K]");
+  const bool bx = X.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bx || X.scalar_type() == torch::kFloat32, "gemv_fp8: X must be float32 or bfloat16");
+  const GemvFn fn = bx ? k.gemv_fp8_bx : k.gemv_fp8;
+  TORCH_CHECK(fn != nullptr, "gemv_fp8: ISA '", isa, "' has no FP8 kernel for ", bx ? "bf16" : "fp32", " inputs");
+  const int64_t T = X.size(0);
+  torch::Tensor Y = torch::empty({T, N}, torch::kFloat32);
+  std::vector<const void*> x(T);
+  std::vector<float*> y(T);
+  for (int64_t t = 0; t < T; ++t) {
+    x[t] = static_cast<const char*>(X.data_ptr()) + t * K * X.element_size();
+    y[t] = Y.data_ptr<float>() + t * N;
+  }
+  GemvArgs a{W.data_ptr(), K, static_cast<int>(N), static_cast<int>(K), x.data(), static_cast<int>(T), y.data(), nullptr};
+  a.wscale = scale.data_ptr<float>();
+  a.lds = scale.size(1);
+  fn(a);
+  return Y;
+}
+
 }  // namespace tandem
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -907,8 +946,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("stop_loop", &tandem::Executor::stop_loop)
       .def("loop_counters", &tandem::Executor::loop_counters)
       .def_property_readonly("isa", &tandem::Executor::isa)
+      .def_property_readonly("fp8_bf16_inputs", &tandem::Executor::fp8_bf16_inputs)
       .def_property_readonly("num_threads", &tandem::Executor::num_threads);
   m.def("set_stream_prefetch", &tandem::set_stream_prefetch);
+  m.def("gemv_fp8", &tandem::gemv_fp8, pybind11::arg("isa"), pybind11::arg("W"), pybind11::arg("scale"), pybind11::arg("X"));
   m.def("select_isa", [](std::string force) {
     auto k = tandem::select_kernels(force.c_str());
     return std::string(k.name ? k.name : "");

@@ -10,6 +10,8 @@
 // FP8 (fp8_block banks): W holds float8_e4m3fn bytes and `wscale` the fp32 scales of 128x128 blocks:
 // row r's block row is (srow0 + r) / 128, at wscale + that * lds; column k's block is k / 128. Each
 // block's partial dot product is scaled once (fp32 accumulate), so the scale costs one FMA per block.
+// Two FP8 kernels: fp32 X (exact products: fp32 models) and bf16 X (vdpbf16ps: bf16 models, ~3x the
+// weights per cycle; the executor picks by the hidden states' dtype).
 #pragma once
 #include <cstdint>
 
@@ -36,14 +38,16 @@ struct GemvArgs {
 using GemvFn = void (*)(const GemvArgs&);
 using ReadFn = double (*)(const float* p, int64_t n);  // STREAM-style read: sum of n floats
 
-// Kernels per ISA. `x_bf16` says whether the kernel wants X in bf16 (only avx512bf16 with bf16 weights).
+// Kernels per ISA. `bf16_wants_bf16_x` says whether gemv_bf16 wants X in bf16 (only avx512bf16);
+// gemv_fp8_bx always takes bf16 X, gemv_fp8 fp32 X.
 struct IsaKernels {
-  const char* name;
-  GemvFn gemv_f32;   // fp32 weights, fp32 X
-  GemvFn gemv_bf16;  // bf16 weights
-  GemvFn gemv_fp8;   // float8_e4m3fn weights with fp32 block scales, fp32 X
-  bool bf16_wants_bf16_x;
-  ReadFn read;       // the CPU read ceiling's kernel (benchmarks)
+  const char* name = nullptr;
+  GemvFn gemv_f32 = nullptr;   // fp32 weights, fp32 X
+  GemvFn gemv_bf16 = nullptr;  // bf16 weights
+  GemvFn gemv_fp8 = nullptr;   // float8_e4m3fn weights with fp32 block scales, fp32 X (exact products)
+  GemvFn gemv_fp8_bx = nullptr;  // the same weights with bf16 X (vdpbf16ps), or nullptr where the CPU has none
+  bool bf16_wants_bf16_x = false;
+  ReadFn read = nullptr;       // the CPU read ceiling's kernel (benchmarks)
 };
 
 IsaKernels select_kernels(const char* force);
