@@ -40,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from kernels.ensure_experts_ref import USE_CAP, USE_SHIFT, check_use_cap
-from services.engine.moe.hybrid import SPLIT_MAX_TOKENS  # above: a call takes the offload path (every miss fetched)
+from services.engine.moe.hybrid import split_max_tokens  # above: a call takes the offload path (every miss fetched)
 
 Q16 = 1 << 16
 _PROTECTED = 1 << 62  # a slot hit or taken in this call: never the victim
@@ -89,12 +89,13 @@ class SlotCache:
 
     def __init__(self, num_layers: int, num_experts: int, num_slots: int, fetch_fraction: float = 1.0,
                  max_fetch: int = -1, evict: str = "lru", fetch: str = "lowest-id", use_cap: int = USE_CAP,
-                 top_k: int = 8):
+                 top_k: int = 8, max_running_requests: int = 8):
         if evict not in EVICT or fetch not in FETCH:
             raise ValueError(f"unknown policy: evict {evict!r}, fetch {fetch!r}")
         check_use_cap(use_cap)
         self.use_cap = use_cap  # every layer's counts halve when one reaches it (--moe-cache-lfu-cap)
-        self.max_split_routes = SPLIT_MAX_TOKENS * top_k  # a call of more routes takes the offload path
+        # a call of more routes takes the offload path (hybrid.py: the automatic split reaches prompt chunks)
+        self.max_split_routes = split_max_tokens(max_fetch < 0, max_running_requests) * top_k
         self.E, self.S = num_experts, num_slots
         self.q16, self.max_fetch, self.evict, self.fetch = round(fetch_fraction * Q16), max_fetch, evict, fetch
         self.slot_of_id = np.full(num_layers * num_experts, -1, dtype=np.int64)

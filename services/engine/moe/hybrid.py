@@ -57,7 +57,7 @@ from services.engine.moe.offload import OffloadBackend
 from services.engine.moe.resident import fp8_scales, moe_compute
 from services.engine.moe.peer_split import make_split_controller
 from services.engine.moe.split import DEFAULT_FRACTION, Q16, SplitController
-from services.engine.moe.split_buckets import TUNE_AFTER_STEPS, SplitBuckets  # noqa: F401 (re-exported)
+from services.engine.moe.split_buckets import TUNE_AFTER_STEPS, SplitBuckets, next_pow2  # noqa: F401 (re-exported)
 
 log = get_logger("moe.hybrid")
 
@@ -67,6 +67,14 @@ log = get_logger("moe.hybrid")
 SPLIT_MAX_TOKENS = 256
 # decode batches above this take the offload path too: the graph handoff's job word carries T in 10 bits
 SPLIT_MAX_DECODE = 512
+
+
+def split_max_tokens(tunable: bool, max_running_requests: int) -> int:
+    """The largest step that splits: SPLIT_MAX_TOKENS with the automatic split; with a fixed one (cpu,
+    --moe-hybrid-max-fetch N) the decode cap, so prompt chunks above it keep the offload path they had
+    before splits reached them (only the tuner can tell whether splitting them pays)."""
+    cap = next_pow2(max(1, min(max_running_requests, SPLIT_MAX_DECODE)))
+    return max(SPLIT_MAX_TOKENS, cap) if tunable else cap
 
 
 def profile_prior(ctx: BackendContext) -> dict:
@@ -138,7 +146,7 @@ class HybridBackend:
         # two replays changes them, and no CUDA call can land inside a capture
         self._tunable = mode is MoEBackend.HYBRID and self.max_fetch < 0
         self.buckets = SplitBuckets(self._make_controller, min(ctx.config.max_running_requests, SPLIT_MAX_DECODE),
-                                    SPLIT_MAX_TOKENS,
+                                    split_max_tokens(self._tunable, ctx.config.max_running_requests),
                                     self._tunable, self.graph_mode, ctx.device)
         self.handoff = None
         if ctx.device.type == "cuda":

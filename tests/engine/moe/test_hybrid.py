@@ -292,3 +292,46 @@ def test_graph_mode_captures_the_split_at_many_tokens(T, hf_checkpoints):
         assert backend.handoff.poll_stats()["error"] == ""
     finally:
         backend.close()
+
+
+@pytest.mark.gpu
+def test_engine_captures_hybrid_decode_graphs_at_16_and_32(hf_checkpoints):
+    """A CUDA engine with hybrid at --max-running-requests 32: the decode graphs of batch 16 and 32 capture
+    the split (the runner checks each replay against an eager forward), 32 concurrent requests replay
+    them, and their buckets show the CPU's share."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import asyncio
+
+    from services.engine.engine import Engine
+    from services.engine.runtime.sampler import SamplingParams
+    from tests.helpers import model_thread_held
+
+    ckpt = hf_checkpoints["qwen3_moe"]
+    engine = Engine(EngineConfig(model=str(ckpt.dir), device="cuda", moe_backend="hybrid", max_running_requests=32,
+                                 max_waiting_requests=64, max_seq_len=64, moe_cache_rate=0.25))
+    engine.start()
+    try:
+        engine.wait_ready(600)
+
+        async def run():
+            async with model_thread_held(engine):
+                streams = [engine.submit(f"r{i}", [(7 * i + k) % 100 + 3 for k in range(4 + i % 5)],
+                                         SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+                           for i in range(32)]
+            counts = []
+            for stream in streams:
+                n = 0
+                async for out in stream:
+                    n += len(out["token_ids"])
+                counts.append(n)
+            return counts, await engine.stats()
+
+        counts, stats = asyncio.run(run())
+        assert counts == [8] * 32
+        assert {16, 32} <= set(stats["cuda_graph_sizes"])
+        buckets = stats["experts"]["buckets"]
+        assert buckets["32"]["steps"] >= 2 and buckets["32"]["controller"]["cpu_bytes_per_second"] > 0
+        assert stats["experts"]["split"]["graph_mode"] is True
+    finally:
+        engine.shutdown()
