@@ -52,8 +52,9 @@ class DType(str, enum.Enum):
 class ExpertDType(str, enum.Enum):
     """How the routed experts are held in the banks (the rest of the model is in --dtype)."""
 
-    CHECKPOINT = "checkpoint"  # as stored: FP8 for a fine-grained FP8 checkpoint, else --dtype
+    CHECKPOINT = "checkpoint"  # as stored: FP8 for a fine-grained FP8 checkpoint, MXFP4 for gpt-oss, else --dtype
     FP8 = "fp8"  # quantized at load to float8_e4m3fn with one scale per 128x128 block (half of bf16's bytes)
+    DTYPE = "dtype"  # in --dtype: a quantized checkpoint's experts dequantized at load
 
 
 # --max-running-requests when unset. A resident model on a GPU is a server for many clients: its decode step
@@ -72,10 +73,11 @@ class EngineConfig:
     device: Device = field(Device.CPU, help="compute device")
     dtype: DType = field(DType.FLOAT32, help="weight and activation dtype")
     moe_expert_dtype: ExpertDType = field(ExpertDType.CHECKPOINT, help="routed experts' format: checkpoint (as "
-                                          "stored: FP8 blocks for a fine-grained FP8 checkpoint, else --dtype) or "
-                                          "fp8 (a bf16/fp32 checkpoint's experts quantized at load to float8_e4m3fn "
-                                          "with a scale per 128x128 block: half of bf16's bytes; error measured in "
-                                          "docs/fp8.md)")
+                                          "stored: FP8 blocks for a fine-grained FP8 checkpoint, MXFP4 for gpt-oss, "
+                                          "else --dtype), fp8 (a bf16/fp32 checkpoint's experts quantized at load to "
+                                          "float8_e4m3fn with a scale per 128x128 block: half of bf16's bytes; error "
+                                          "measured in docs/fp8.md) or dtype (a quantized checkpoint's experts "
+                                          "dequantized at load to --dtype: 4x MXFP4's bytes)")
     moe_backend: MoEBackend = field(MoEBackend.RESIDENT, help="where experts are computed: resident (all on the "
                                     "GPU), offload (misses copied over PCIe), cpu (misses on the CPU), hybrid "
                                     "(misses split between both) or auto (offload or hybrid, timed while serving)")

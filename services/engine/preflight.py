@@ -73,7 +73,8 @@ def check_fits(spec: ModelSpec, config: EngineConfig, device: torch.device,
     ``host_available`` / ``device_free`` default to MemAvailable / CUDA's free memory."""
     dtype = TORCH_DTYPES[config.dtype]
     stored = checkpoint_format(spec.extra, f"--model {config.model}: config.json")
-    held = ExpertFormat.FP8_BLOCK if config.moe_expert_dtype is ExpertDType.FP8 else stored
+    held = {ExpertDType.FP8: ExpertFormat.FP8_BLOCK, ExpertDType.DTYPE: ExpertFormat.UNQUANTIZED}.get(
+        config.moe_expert_dtype, stored)
     geom = CacheGeometry(spec.num_moe_layers, spec.num_experts, spec.top_k,
                          expert_nbytes(held, spec.hidden_size, spec.moe_intermediate_size, dtype))
     experts = geom.total_experts * geom.expert_nbytes

@@ -9,8 +9,10 @@ or, unquantized (transformers' ``save_pretrained`` of a dequantized model), ``ga
 
 The 2I outputs of gate_up interleave gate and up (gate = even columns, up = odd, transformers'
 ``gate_up[..., ::2]`` / ``[..., 1::2]``); the bank keeps the engine's layout, rows [0, I) gate and [I, 2I)
-up, so the loader de-interleaves rows and bias alike. MXFP4 is dequantized here, one expert at a time
-(models/mxfp4.py); MXFP4-resident banks and kernels are a later step.
+up, so the loader de-interleaves rows and bias alike. MXFP4 experts go into ``mxfp4`` banks as they are
+(per row the 16-byte blocks flattened to [R, C/2] and the scales [R, C/32]: whole rows move, no value
+changes); into unquantized banks (``--moe-expert-dtype dtype``, or an unquantized checkpoint) they are
+dequantized one expert at a time (models/mxfp4.py).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from typing import Callable
 import torch
 
 from services.engine.models import mxfp4
+from services.engine.models.errors import LoaderError
 from services.engine.models.spec import ModelSpec
-from services.engine.moe.banks import LayerBanks
+from services.engine.moe.banks import ExpertFormat, LayerBanks
 
 
 def _prefix(spec: ModelSpec, layer: int) -> str:
@@ -43,13 +46,35 @@ def _deinterleave(t: torch.Tensor) -> torch.Tensor:
 
 
 def load_layer(ckpt, spec: ModelSpec, layer: int, banks: LayerBanks, step: Callable[[], None]) -> None:
-    """Fill ``banks`` (gate_up [E, 2I, D], down [E, D, I], gate_up_bias [E, 2I], down_bias [E, D]) with
-    decoder layer ``layer``'s experts; ``step()`` after each expert projection and each bias."""
+    """Fill ``banks`` (gate_up [E, 2I, D], down [E, D, I], gate_up_bias [E, 2I], down_bias [E, D]; in the
+    mxfp4 format gate_up [E, 2I, D/2], down [E, D, I/2] and their E8M0 scales) with decoder layer
+    ``layer``'s experts; ``step()`` after each expert projection and each bias."""
     D, I, E = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
     p = _prefix(spec, layer)
     gate_up, down = banks.tensors["gate_up"], banks.tensors["down"]
     dtype = gate_up.dtype
-    if is_mxfp4(ckpt, spec, layer):
+    if banks.format is ExpertFormat.MXFP4:
+        if not is_mxfp4(ckpt, spec, layer):
+            raise LoaderError(f"MoE layer {layer}: mxfp4 expert banks need the checkpoint's {p}gate_up_proj_blocks "
+                              "(the config says quant_method mxfp4)")
+        G_d, G_i = D // mxfp4.BLOCK, I // mxfp4.BLOCK
+        src = {"gate_up": ckpt.get(p + "gate_up_proj_blocks", (E, 2 * I, G_d, 16)).flatten(-2),  # [E, 2I, D/2]
+               "gate_up_scale": ckpt.get(p + "gate_up_proj_scales", (E, 2 * I, G_d)),
+               "down": ckpt.get(p + "down_proj_blocks", (E, D, G_i, 16)).flatten(-2),  # [E, D, I/2]
+               "down_scale": ckpt.get(p + "down_proj_scales", (E, D, G_i))}
+        for name, t in src.items():
+            if t.dtype != torch.uint8:
+                raise LoaderError(f"MoE layer {layer}: {p}{name.replace('gate_up', 'gate_up_proj').replace('down', 'down_proj')}"
+                                  f" is {t.dtype}; MXFP4 blocks and scales are uint8")
+        t = banks.tensors
+        for e in range(E):  # one expert at a time: the loader's progress
+            t["gate_up"][e].copy_(_deinterleave(src["gate_up"][e]))
+            t["gate_up_scale"][e].copy_(_deinterleave(src["gate_up_scale"][e]))
+            step()
+            t["down"][e].copy_(src["down"][e])
+            t["down_scale"][e].copy_(src["down_scale"][e])
+            step()
+    elif is_mxfp4(ckpt, spec, layer):
         G_d, G_i = D // mxfp4.BLOCK, I // mxfp4.BLOCK
         gu_blocks = ckpt.get(p + "gate_up_proj_blocks", (E, 2 * I, G_d, 16))
         gu_scales = ckpt.get(p + "gate_up_proj_scales", (E, 2 * I, G_d))

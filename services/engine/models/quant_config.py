@@ -8,8 +8,8 @@ each quantized ``X.weight`` is float8_e4m3fn with ``X.weight_scale_inv`` (float3
 (``modules_to_not_convert``: norms, routers, embeddings, lm_head) are stored plainly; which tensors are
 FP8 is read from the files themselves (a weight with a ``weight_scale_inv`` beside it).
 
-gpt-oss's MXFP4 experts (``quant_method`` mxfp4) are dequantized by their own loader
-(models/gpt_oss_experts.py) into unquantized banks.
+gpt-oss's MXFP4 experts (``quant_method`` mxfp4) load as they are into ``mxfp4`` banks by their own
+loader (models/gpt_oss_experts.py); ``--moe-expert-dtype dtype`` dequantizes them at load instead.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ SUPPORTED = ("fine-grained FP8: quant_method 'fp8', fmt 'e4m3', activation_schem
              f"weight_block_size [{BLOCK}, {BLOCK}]")
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 SCALE_DTYPES = (torch.float32, torch.bfloat16)
-# (model_type, quant_method) pairs whose experts their architecture's loader dequantizes into plain banks
-DEQUANTIZED_AT_LOAD = {("gpt_oss", "mxfp4")}
+# (model_type, quant_method) pairs whose experts their architecture's loader reads into the format given
+ARCHITECTURE_FORMATS = {("gpt_oss", "mxfp4"): ExpertFormat.MXFP4}
 
 
 def checkpoint_format(cfg: dict, source: str) -> ExpertFormat:
@@ -40,8 +40,8 @@ def checkpoint_format(cfg: dict, source: str) -> ExpertFormat:
     if not isinstance(qc, dict):
         raise refuse(f"of type {type(qc).__name__}")
     method = qc.get("quant_method")
-    if (cfg.get("model_type"), method) in DEQUANTIZED_AT_LOAD:
-        return ExpertFormat.UNQUANTIZED
+    if (cfg.get("model_type"), method) in ARCHITECTURE_FORMATS:
+        return ARCHITECTURE_FORMATS[cfg.get("model_type"), method]
     if method != "fp8":
         raise refuse(f"quant_method {method!r}")
     if qc.get("fmt", "e4m3") != "e4m3":

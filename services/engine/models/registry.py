@@ -25,6 +25,7 @@ from services.engine.runtime.kv_cache import KVCache
 from services.engine.moe.backends import BackendContext, ExpertBackend, make_backend
 from services.engine.moe.prefetch import next_layer_predictors
 from services.engine.moe.banks import ExpertBanks, ExpertFormat, pin_banks  # noqa: F401 - pin_banks: re-exported
+from services.engine.moe.dequant import dequantize_layers
 from services.engine.moe.fp8 import quantize_layers
 
 log = get_logger("registry")
@@ -90,8 +91,14 @@ def load_model(config: EngineConfig, progress: Callable[[dict], None] | None = N
     if config.moe_expert_dtype is ExpertDType.FP8 and not banks.plain_swiglu:
         raise LoaderError(f"--moe-expert-dtype fp8: {spec.model_type}'s experts (biases, clamped SwiGLU) have no FP8 "
                           "path yet; serve them with --moe-expert-dtype checkpoint")
-    if config.moe_expert_dtype is ExpertDType.FP8 and banks.layers and banks.layers[0].format is ExpertFormat.UNQUANTIZED:
+    stored = banks.layers[0].format if banks.layers else ExpertFormat.UNQUANTIZED
+    if config.moe_expert_dtype is ExpertDType.FP8 and stored is ExpertFormat.MXFP4:
+        raise LoaderError("--moe-expert-dtype fp8: the experts are MXFP4 (fewer bytes than FP8 already); serve them "
+                          "with --moe-expert-dtype checkpoint, or dtype to dequantize them")
+    if config.moe_expert_dtype is ExpertDType.FP8 and stored is ExpertFormat.UNQUANTIZED:
         quantize_layers(banks.layers, progress, work_device=device if device.type == "cuda" else None)
+    if config.moe_expert_dtype is ExpertDType.DTYPE:
+        dequantize_layers(banks.layers, dtype, progress)
     loaded = LoadedModel(spec, model, banks, Path(model_dir), model_id, device, dtype)
     if attach_backend:
         loaded.model.set_backend(build_backend(loaded, config))

@@ -53,7 +53,9 @@ from tqdm import tqdm
 from services.common.logging import get_logger
 from services.engine.models.causal_lm import MoECausalLM
 from services.engine.models.errors import LoaderError
+from services.engine.models import mxfp4
 from services.engine.models.loader import build_empty_model
+from services.engine.models.quant_config import checkpoint_format
 from services.engine.models.spec import ModelSpec
 from services.engine.moe.banks import BANK_SCHEMAS, BIAS_BANKS, ExpertBanks, ExpertFormat, LayerBanks
 
@@ -69,6 +71,9 @@ _GPT_OSS = dict(model_type="gpt_oss", num_experts_per_tok=4, hidden_size=2880, i
                 num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088, sliding_window=128,
                 attention_bias=True, rms_norm_eps=1e-5, swiglu_alpha=1.702, swiglu_limit=7.0,
                 max_position_embeddings=131072,
+                # experts in MXFP4 like the Hub checkpoints' (the bytes offload / hybrid move and the CPU reads)
+                quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": [
+                    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
                 rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                  "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096})
 
@@ -93,8 +98,8 @@ PRESETS: dict[str, dict] = {
                          num_key_value_heads=8, vocab_size=32000, rope_theta=1000000.0, rms_norm_eps=1e-5,
                          max_position_embeddings=32768),
     # gpt-oss (openai/gpt-oss-*/config.json): alternating sliding (128) / full attention layers, sinks, YaRN,
-    # expert biases and the clamped SwiGLU. Experts in the engine dtype (the Hub's MXFP4 is dequantized at
-    # load too); MXFP4-resident banks are a later step.
+    # expert biases and the clamped SwiGLU; MXFP4 experts (N(0, std) weights quantized per 32 values, as the
+    # Hub's are stored; --moe-expert-dtype dtype dequantizes them).
     "gpt-oss-20b": dict(_GPT_OSS, num_hidden_layers=24, num_local_experts=32),
     "gpt-oss-120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128),
 }
@@ -141,6 +146,22 @@ def _fill_(t: torch.Tensor, std: float, gen: torch.Generator) -> None:
         t.copy_(stage)  # synchronous: the stage is freed on return
 
 
+MXFP4_CHUNK_VALUES = 1 << 26  # values drawn and quantized at a time: ~1.5 GB of fp32 temporaries
+
+
+def _fill_mxfp4_(packed: torch.Tensor, scales: torch.Tensor, std: float, gen: torch.Generator) -> None:
+    """Fill mxfp4 banks packed [E, R, C/2] / scales [E, R, C/32] in place with N(0, std) values quantized
+    per 32 (models/mxfp4.py), drawn on the generator's device a few experts at a time."""
+    E, R, half = packed.shape
+    step = max(1, MXFP4_CHUNK_VALUES // (R * 2 * half))
+    for e in range(0, E, step):
+        n = min(step, E - e)
+        w = torch.empty((n, R, 2 * half), dtype=torch.float32, device=gen.device).normal_(0.0, std, generator=gen)
+        q, sc = mxfp4.quantize_rows(w)
+        packed[e:e + n].copy_(q)
+        scales[e:e + n].copy_(sc)
+
+
 def param_std(name: str, spec: ModelSpec) -> float:
     """Standard deviation of the N(0, std) init of the matrix ``name`` (a Hub parameter name, or
     ``experts.<bank>`` for an expert bank)."""
@@ -176,7 +197,7 @@ def build_synthetic(model: str, tokenizer_vocab: int, device: torch.device, dtyp
             else:
                 _fill_(p, param_std(name, spec), gen)
         D, I, E = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
-        fmt = ExpertFormat.UNQUANTIZED
+        fmt = checkpoint_format(spec.extra, f"synthetic preset {model!r}")
         total = spec.num_moe_layers
         if banks_device is None:
             # host banks of a CUDA model are pinned before they are filled (an offloading backend pins them
@@ -192,6 +213,9 @@ def build_synthetic(model: str, tokenizer_vocab: int, device: torch.device, dtyp
             for name, t in layer.tensors.items():
                 if name.endswith("_bias"):  # biases 0, like every other bias here
                     t.zero_()
+                elif fmt is ExpertFormat.MXFP4:
+                    if not name.endswith("_scale"):  # the scale banks are written with their weights
+                        _fill_mxfp4_(t, layer.tensors[name + "_scale"], param_std(f"experts.{name}", spec), gen)
                 else:
                     _fill_(t, param_std(f"experts.{name}", spec), gen)
             if progress is not None:

@@ -36,6 +36,9 @@ class ExpertFormat(str, enum.Enum):
     UNQUANTIZED = "unquantized"
     # float8_e4m3fn weights with an fp32 scale per 128x128 block (services/engine/moe/fp8.py)
     FP8_BLOCK = "fp8_block"
+    # OCP MXFP4 as gpt-oss checkpoints ship their experts: e2m1 values packed two per byte with one E8M0
+    # exponent byte per 32 consecutive values of a row (services/engine/models/mxfp4.py)
+    MXFP4 = "mxfp4"
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,24 @@ BANK_SCHEMAS: dict[ExpertFormat, tuple[BankSpec, ...]] = {
         BankSpec("gate_up_scale", lambda D, I: (2 * _blocks(I), _blocks(D)), torch.float32),  # gate's grid, up's
         BankSpec("down_scale", lambda D, I: (_blocks(D), _blocks(I)), torch.float32),
     ),
+    # Per row, byte j holds elements 2j (low nibble) and 2j+1 (high nibble); scale byte b covers elements
+    # [32b, 32b+32) of its row. gate_up rows [0, I) gate, [I, 2I) up (the Hub's interleaved rows are
+    # de-interleaved at load: whole rows move, lossless). D and I must be multiples of 32.
+    ExpertFormat.MXFP4: (
+        BankSpec("gate_up", lambda D, I: (2 * I, D // 2), torch.uint8),
+        BankSpec("down", lambda D, I: (D, I // 2), torch.uint8),
+        BankSpec("gate_up_scale", lambda D, I: (2 * I, D // 32), torch.uint8),  # E8M0: 2**(s - 127)
+        BankSpec("down_scale", lambda D, I: (D, I // 32), torch.uint8),
+    ),
+}
+
+# the banks that hold a format's scales (beside the weights gate_up / down), by format: what a compute
+# path passes as gate_up_scale / down_scale together with the format (never by name alone: fp8_block's
+# are fp32 per 128x128 block, mxfp4's E8M0 bytes per 32 values of a row)
+SCALE_BANKS: dict[ExpertFormat, tuple[str, ...]] = {
+    ExpertFormat.UNQUANTIZED: (),
+    ExpertFormat.FP8_BLOCK: ("gate_up_scale", "down_scale"),
+    ExpertFormat.MXFP4: ("gate_up_scale", "down_scale"),
 }
 
 # Experts with biases (gpt-oss) have these banks too, whatever the weight format; in the model dtype.
@@ -68,6 +89,13 @@ BIAS_BANKS: tuple[BankSpec, ...] = (
 
 def _blocks(n: int) -> int:
     return -(-n // 128)  # the ceil grid of 128-element blocks (fp8.BLOCK; fp8.py imports this module)
+
+
+def check_geometry(fmt: ExpertFormat, D: int, I: int) -> None:
+    """ValueError when the format cannot hold experts of this width (MXFP4: D and I multiples of 32)."""
+    if fmt is ExpertFormat.MXFP4 and (D % 32 or I % 32):
+        raise ValueError(f"mxfp4 expert banks need the hidden size ({D}) and the expert intermediate size ({I}) "
+                         "to be multiples of 32 (one E8M0 scale per 32 values)")
 
 
 def expert_nbytes(fmt: ExpertFormat, D: int, I: int, dtype: torch.dtype) -> int:
@@ -113,6 +141,7 @@ class ExpertBanks:
                  pin: bool = False, bias: bool = False, activation: ClampedSwiGLU | None = None) -> "ExpertBanks":
         """Empty host banks to be filled by a loader (``host_bank`` memory; pinned now with ``pin``, else
         later by pin_banks, in place). ``bias``: add the BIAS_BANKS."""
+        check_geometry(fmt, D, I)
         layers = []
         schema = BANK_SCHEMAS[fmt] + (BIAS_BANKS if bias else ())
         for _ in range(num_layers):

@@ -54,7 +54,7 @@ from services.engine.moe.backends import BackendContext, register_backend
 from services.engine.moe.cpu_executor import CpuExecutor, default_num_threads
 from services.engine.moe.cpu_handoff import DeviceHandoff, GraphHandoff
 from services.engine.moe.offload import OffloadBackend
-from services.engine.moe.resident import fp8_scales, moe_compute
+from services.engine.moe.resident import moe_compute
 from services.engine.moe.peer_split import make_split_controller
 from services.engine.moe.split import DEFAULT_FRACTION, Q16, SplitController
 from services.engine.moe.split_buckets import TUNE_AFTER_STEPS, SplitBuckets, next_pow2  # noqa: F401 (re-exported)
@@ -216,9 +216,9 @@ class HybridBackend:
         marks.append((t0, self._mark(moe_layer, 1)))
         prefetch = self._prefetch_reserve(moe_layer, hidden, topk_ids)
         # CPU routes have slot -1, which the GPU kernels skip (no weight masking needed: 3 launches saved)
-        slots = self.cache.slot_banks  # gate_up [S, 2I, D], down [S, D, I] (+ fp8 scales)
+        slots = self.cache.slot_banks  # gate_up, down (+ the format's scale banks: offload.scales)
         part = moe_compute(hidden, slot_ids, topk_weights, slots["gate_up"], slots["down"], *self.expert_math,
-                           **fp8_scales(slots))  # [T, D]
+                           **self.offload.scales)  # [T, D]
         cpu_part = self.handoff.sync() if hidden.is_cuda else self.executor.wait()  # [T, D] fp32
         ex = self.executor
         step["cpu_s"] += ex.last_compute_seconds
@@ -252,7 +252,7 @@ class HybridBackend:
         slots = self.cache.slot_banks  # CPU routes: slot -1, skipped
         state = self.cache.state
         part = moe_compute(hidden, slot_ids, topk_weights, slots["gate_up"], slots["down"], *self.expert_math,
-                           **fp8_scales(slots))  # [T, D]
+                           **self.offload.scales)  # [T, D]
         out = self.handoff.sync_add(layer, part, cache_counters=(state.misses, state.fetched))
         if prefetch is not None:
             prefetch.copy_ahead()  # the CPU's part is in: the copy takes the host DRAM while the CPU is idle

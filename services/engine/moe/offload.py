@@ -21,7 +21,7 @@ from services.engine.moe.backends import BackendContext, register_backend
 from services.engine.moe.cache import ExpertCache
 from services.engine.moe.peer_cache import make_peer_tier
 from services.engine.moe.prefetch import NextLayerPrefetch, read_ahead_possible
-from services.engine.moe.resident import GATHER_MAX_ROUTES, fp8_scales, moe_compute, moe_decode
+from services.engine.moe.resident import GATHER_MAX_ROUTES, moe_compute, moe_decode, quant_kwargs
 from services.engine.moe.sizing import CacheGeometry, decide_cache_size
 
 log = get_logger("moe.offload")
@@ -57,7 +57,7 @@ class OffloadBackend:
         self.act = banks.activation  # gpt-oss: clamped SwiGLU, and bias banks mirrored in the slots too
         slots = self.cache.slot_banks
         self.bias = (slots["gate_up_bias"], slots["down_bias"]) if "gate_up_bias" in slots else None  # [S, 2I], [S, D]
-        self.scales = fp8_scales(slots)  # fp8_block: the slots' block scales beside their fp8 weights
+        self.scales = quant_kwargs(self.cache.format, slots)  # fp8_block / mxfp4: the slots' scales and format
         self.top_k = ctx.top_k
 
     def prefetching(self, topk_ids: torch.Tensor) -> NextLayerPrefetch | None:

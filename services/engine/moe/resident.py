@@ -18,11 +18,11 @@ Ways to compute the routed experts, same maths as ``moe_reference`` (``moe_compu
   present expert once. Needs the per-expert counts on the host (one sync), and launches ~8 kernels per
   expert present: ~E x 8 launches per layer (why CUDA takes the kernels above).
 
-FP8 experts (the fp8_block format) come as ``gate_up_scale`` / ``down_scale`` keywords beside the fp8
-``gate_up`` / ``down`` (``fp8_scales(banks)`` picks them out of a layer's or the cache's banks): they
-are dequantized per expert (grouped), per gathered route (gathered) or in the Triton kernels' registers
-(GEMV, GEMM). MXFP4 banks (uint8, told apart by their dtype in the kernels) are decoded in registers by
-both Triton kernels too.
+Quantized experts (fp8_block, mxfp4) come as ``gate_up_scale`` / ``down_scale`` keywords beside
+``gate_up`` / ``down`` together with their format ``fmt`` (``quant_kwargs(fmt, banks)`` picks them out of
+a layer's or the cache's banks; the format, not the bank names, says how to read them: moe/dequant.py).
+They are dequantized per expert (grouped), per gathered route (gathered) or in the Triton kernels'
+registers (GEMV, GEMM; the kernels tell MXFP4's uint8 banks apart by dtype, checked against ``fmt``).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import torch
 from services.common.logging import get_logger
 from services.engine.config import MoEBackend
 from services.engine.moe.backends import BackendContext, register_backend
-from services.engine.moe.banks import BANK_SCHEMAS
-from services.engine.moe.fp8 import dense_experts
+from services.engine.moe.banks import BANK_SCHEMAS, SCALE_BANKS, ExpertFormat
+from services.engine.moe.dequant import check_banks, dense_experts
 from services.engine.moe.reference import ClampedSwiGLU, expert_swiglu, glu
 
 log = get_logger("resident")
@@ -42,13 +42,13 @@ GEMV_MAX_ROUTES = 16  # R at or below: the Triton GEMV on CUDA (2 tokens at top-
 GATHER_MAX_ROUTES = 64  # R at or below: torch gather+bmm when Triton is unavailable; above: the grouped loop
 
 
-SCALE_BANKS = ("gate_up_scale", "down_scale")  # the fp8_block format's scale banks (banks.py)
-
-
-def fp8_scales(banks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The fp8 scale banks of ``banks`` (a layer's or the cache's slot banks) as compute keywords; {} when
-    the experts are not FP8."""
-    return {name: banks[name] for name in SCALE_BANKS if name in banks}
+def quant_kwargs(fmt: ExpertFormat, banks: dict[str, torch.Tensor]) -> dict:
+    """The compute keywords of format ``fmt``'s scale banks in ``banks`` (a layer's or the cache's slot
+    banks): {} for unquantized experts, else gate_up_scale, down_scale and fmt."""
+    fmt = ExpertFormat(fmt)
+    if not SCALE_BANKS[fmt]:
+        return {}
+    return {"gate_up_scale": banks["gate_up_scale"], "down_scale": banks["down_scale"], "fmt": fmt}
 
 
 def _pick(scale: torch.Tensor | None, index) -> torch.Tensor | None:
@@ -58,10 +58,11 @@ def _pick(scale: torch.Tensor | None, index) -> torch.Tensor | None:
 def moe_grouped(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 gate_up: torch.Tensor, down: torch.Tensor, act: ClampedSwiGLU | None = None,
                 bias: tuple[torch.Tensor, torch.Tensor] | None = None, gate_up_scale: torch.Tensor | None = None,
-                down_scale: torch.Tensor | None = None) -> torch.Tensor:
+                down_scale: torch.Tensor | None = None, fmt: ExpertFormat = ExpertFormat.UNQUANTIZED) -> torch.Tensor:
     """hidden [T, D] · topk_ids [T, A] (-1 = skip) · topk_weights [T, A] · gate_up [E, 2I, D] ·
     down [E, D, I] · act / bias (gate_up_bias [E, 2I], down_bias [E, D]): gpt-oss experts, as
-    ``moe_reference`` · gate_up_scale / down_scale: FP8 block scales (fp8.py) -> [T, D] (fp32
+    ``moe_reference`` · gate_up_scale / down_scale: the scale banks of format ``fmt`` (fp8_block: fp32
+    block scales, fp8.py; mxfp4: E8M0 bytes beside packed weights, models/mxfp4.py) -> [T, D] (fp32
     accumulation, returned in hidden's dtype)."""
     T, A = topk_ids.shape
     E = gate_up.shape[0]
@@ -78,7 +79,7 @@ def moe_grouped(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         routes = order[pos:pos + n]  # [n]
         tok = routes // A  # [n]
         b_gu, b_d = (bias[0][e], bias[1][e]) if bias is not None else (None, None)
-        gu, d = dense_experts(gate_up[e], down[e], _pick(gate_up_scale, e), _pick(down_scale, e), hidden.dtype)
+        gu, d = dense_experts(fmt, gate_up[e], down[e], _pick(gate_up_scale, e), _pick(down_scale, e), hidden.dtype)
         y = expert_swiglu(hidden[tok], gu, d, act, b_gu, b_d)  # [n, D]
         out.index_add_(0, tok, y.float() * weights[routes, None].float())
         pos += n
@@ -88,7 +89,7 @@ def moe_grouped(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
 def moe_gathered(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  gate_up: torch.Tensor, down: torch.Tensor, act: ClampedSwiGLU | None = None,
                  bias: tuple[torch.Tensor, torch.Tensor] | None = None, gate_up_scale: torch.Tensor | None = None,
-                 down_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 down_scale: torch.Tensor | None = None, fmt: ExpertFormat = ExpertFormat.UNQUANTIZED) -> torch.Tensor:
     """Same contract as ``moe_grouped``; no host sync (CUDA-graph capturable)."""
     T, A = topk_ids.shape
     flat = topk_ids.reshape(-1)  # [R]
@@ -96,7 +97,7 @@ def moe_gathered(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     ids = flat.clamp(min=0)  # skipped routes compute expert 0 with weight 0
     w = torch.where(valid, topk_weights.reshape(-1).float(), 0.0)  # [R]
     x = hidden[:, None, :].expand(T, A, hidden.shape[1]).reshape(T * A, 1, -1)  # [R, 1, D] (no sync)
-    gu, d = dense_experts(gate_up[ids], down[ids], _pick(gate_up_scale, ids), _pick(down_scale, ids), hidden.dtype)
+    gu, d = dense_experts(fmt, gate_up[ids], down[ids], _pick(gate_up_scale, ids), _pick(down_scale, ids), hidden.dtype)
     h = torch.bmm(x, gu.transpose(1, 2))  # [R, 1, 2I]
     if bias is not None:
         h = h + bias[0][ids][:, None, :]
@@ -121,9 +122,10 @@ class DecodeKernel:
 
     def __call__(self, hidden, topk_ids, topk_weights, gate_up, down, act: ClampedSwiGLU | None = None,
                  bias: tuple[torch.Tensor, torch.Tensor] | None = None, gate_up_scale: torch.Tensor | None = None,
-                 down_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 down_scale: torch.Tensor | None = None, fmt: ExpertFormat = ExpertFormat.UNQUANTIZED) -> torch.Tensor:
         scales = (gate_up_scale, down_scale)
         R = topk_ids.numel()
+        check_banks(fmt, gate_up, down, gate_up_scale, down_scale)  # the kernels tell formats by dtype: agree
         if self.kind == "triton":
             try:
                 if self._gemm is None:
@@ -142,11 +144,11 @@ class DecodeKernel:
                 self.kind = "torch"
         # past decode sizes gather+bmm would gather R experts' weights (GBs): group instead
         fallback = moe_gathered if R <= GATHER_MAX_ROUTES else moe_grouped
-        return fallback(hidden, topk_ids, topk_weights, gate_up, down, act, bias, *scales)
+        return fallback(hidden, topk_ids, topk_weights, gate_up, down, act, bias, *scales, fmt)
 
     def warm(self, hidden: torch.Tensor, top_k: int, gate_up: torch.Tensor, down: torch.Tensor,
              act: ClampedSwiGLU | None = None, bias: tuple[torch.Tensor, torch.Tensor] | None = None,
-             **scales: torch.Tensor) -> int:
+             **scales) -> int:
         """Compile every Triton specialization a step can meet on these banks (the GEMV, the GEMM with each
         launch config of its table, the alignment): one small call each, so no JIT compile lands on the
         request path. ``hidden`` [>=1, D]: a row of the model's dtype. Returns the calls made (0 on torch)."""
@@ -163,7 +165,8 @@ class DecodeKernel:
         for cfg in all_configs(hidden.device):
             if self.kind != "triton":
                 break
-            self._gemm(x, ids, w, gate_up, down, act, bias, *(scales.get(n) for n in SCALE_BANKS), config=cfg)
+            self._gemm(x, ids, w, gate_up, down, act, bias, scales.get("gate_up_scale"), scales.get("down_scale"),
+                       config=cfg)
             calls += 1
         return calls
 
@@ -174,20 +177,21 @@ moe_decode = DecodeKernel()  # shared by backends that compute experts on the GP
 def moe_compute(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
                 down: torch.Tensor, act: ClampedSwiGLU | None = None,
                 bias: tuple[torch.Tensor, torch.Tensor] | None = None, gate_up_scale: torch.Tensor | None = None,
-                down_scale: torch.Tensor | None = None) -> torch.Tensor:
+                down_scale: torch.Tensor | None = None, fmt: ExpertFormat = ExpertFormat.UNQUANTIZED) -> torch.Tensor:
     """The routed experts of a step by the cheapest way for its size and device (module docstring): the
     Triton GEMV / grouped GEMM on CUDA (``moe_decode``), the grouped loop on the CPU."""
     if hidden.is_cuda:
-        return moe_decode(hidden, topk_ids, topk_weights, gate_up, down, act, bias, gate_up_scale, down_scale)
-    return moe_grouped(hidden, topk_ids, topk_weights, gate_up, down, act, bias, gate_up_scale, down_scale)
+        return moe_decode(hidden, topk_ids, topk_weights, gate_up, down, act, bias, gate_up_scale, down_scale, fmt)
+    return moe_grouped(hidden, topk_ids, topk_weights, gate_up, down, act, bias, gate_up_scale, down_scale, fmt)
 
 
 class ResidentBackend:
     """All banks moved to the device once, layer by layer (no full-model temporary). Unquantized banks take
-    the model dtype; a quantized format keeps its own dtypes (FP8 stays FP8 on the device)."""
+    the model dtype; a quantized format keeps its own dtypes (FP8 stays FP8, MXFP4 packed bytes, on the device)."""
 
     def __init__(self, ctx: BackendContext) -> None:
         self.device = ctx.device
+        self.formats = [layer.format for layer in ctx.banks.layers]
         self.layers = [{s.name: layer.tensors[s.name].to(ctx.device, s.dtype or ctx.dtype)
                         for s in BANK_SCHEMAS[layer.format]} for layer in ctx.banks.layers]
         self.bias = [None if layer.bias is None else tuple(t.to(ctx.device, ctx.dtype) for t in layer.bias)
@@ -202,7 +206,7 @@ class ResidentBackend:
         """hidden [T, D] · topk_ids [T, A] · topk_weights [T, A] -> [T, D]."""
         banks = self.layers[moe_layer]
         return moe_compute(hidden, topk_ids, topk_weights, banks["gate_up"], banks["down"], self.act,
-                           self.bias[moe_layer], **fp8_scales(banks))
+                           self.bias[moe_layer], **quant_kwargs(self.formats[moe_layer], banks))
 
     def warm(self, hidden: torch.Tensor) -> int:
         """Compile the expert kernels of every step size before serving (DecodeKernel.warm)."""
@@ -210,7 +214,7 @@ class ResidentBackend:
         if banks is None:
             return 0
         return self.decode.warm(hidden, self.top_k, banks["gate_up"], banks["down"], self.act, self.bias[0],
-                                **fp8_scales(banks))
+                                **quant_kwargs(self.formats[0], banks))
 
     def stats(self) -> dict:
         return {"backend": MoEBackend.RESIDENT.value, "expert_bytes_on_device": self.nbytes,
