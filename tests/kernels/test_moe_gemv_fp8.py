@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernels.moe_gemv import moe_gemv
+from services.engine.moe.banks import ExpertFormat
 from services.engine.moe.fp8 import dequantize, dequantize_gate_up, grid
 from services.engine.moe.reference import moe_reference
 from services.engine.moe.resident import moe_gathered, moe_grouped
@@ -60,7 +61,10 @@ def test_fp8_kernel_matches_reference(T, A, E, D, I):
 def test_fp8_torch_paths_match_reference(impl):
     args = fp8_case(3, 2, 5, 256, 130, seed=3, device="cpu")
     hidden, ids, weights, gate_up, down, gs, ds = args
-    assert_close(impl(hidden, ids, weights, gate_up, down, gate_up_scale=gs, down_scale=ds), reference(*args), atol=2e-5)
+    assert_close(impl(hidden, ids, weights, gate_up, down, gate_up_scale=gs, down_scale=ds, fmt=ExpertFormat.FP8_BLOCK),
+                 reference(*args), atol=2e-5)
+    with pytest.raises(ValueError, match="unquantized expert banks come without scale banks"):  # the format decides
+        impl(hidden, ids, weights, gate_up, down, gate_up_scale=gs, down_scale=ds)
 
 
 def test_fp8_scales_of_the_wrong_grid_are_refused():

@@ -111,6 +111,7 @@ struct Job {
   // inputs (kept alive by the Python wrapper until wait() returns)
   torch::Tensor hidden, ids, weights, gate_up, down, out, ready;
   torch::Tensor gate_up_scale, down_scale;  // fp8_block: fp32 [E, 2*ceil(I/128), ceil(D/128)], [E, ceil(D/128), ceil(I/128)]
+                                            // mxfp4: E8M0 uint8 [E, 2I, D/32], [E, D, I/32]
   int64_t ready_value = 0;
   int T = 0, A = 0, D = 0, I = 0, E = 0;
   WDtype wdt = WDtype::F32;
@@ -122,10 +123,10 @@ struct Job {
   std::vector<int> route_tok;        // [R] token of each route, grouped by expert
   std::vector<float> route_w;        // [R]
   std::vector<float> w_f32;          // [T, A] the route weights in fp32
-  std::vector<float> x_f32;          // [T, D]
+  std::vector<float> x_f32;          // [T, D] (mxfp4: pair-split per 32, gemv.h)
   std::vector<uint16_t> x_bf16;      // [T, D]
   std::vector<float> h;              // [R, 2I] gate then up outputs
-  std::vector<float> act_f32;        // [R, I]
+  std::vector<float> act_f32;        // [R, I] (mxfp4: pair-split per 32)
   std::vector<uint16_t> act_bf16;    // [R, I]
   std::vector<const void*> x_ptr;    // [R] phase-1 inputs per route
   std::vector<const void*> act_ptr;  // [R] phase-2 inputs per route
@@ -136,6 +137,7 @@ struct Job {
   // down_bias [E, D]; the clamped SwiGLU (up.clamp(+-limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
   const void* gate_up_bias = nullptr;
   const void* down_bias = nullptr;
+  bool bias_bf16 = false;  // the biases' dtype: the model's (bf16 or fp32), also beside mxfp4 banks
   bool clamped = false;
   float alpha = 0.f, limit = 0.f;
   std::string error;
@@ -180,13 +182,19 @@ class Executor {
     TORCH_CHECK(gate_ups.size() == gate_up_biases.size() && gate_ups.size() == down_biases.size(),
                 "cpu executor: one gate_up bias and one down bias per gate_up bank");
     expert_math_.clear();
+    bias_bf16_.clear();
     for (size_t l = 0; l < gate_ups.size(); ++l) {
       const auto& gu = gate_ups[l];
+      // in the bank dtype; beside mxfp4 (uint8) banks in the model's, fp32 or bf16
+      const auto bt = gu.scalar_type() == torch::kUInt8 ? gate_up_biases[l].scalar_type() : gu.scalar_type();
       TORCH_CHECK(gate_up_biases[l].is_contiguous() && down_biases[l].is_contiguous() &&
-                  gate_up_biases[l].scalar_type() == gu.scalar_type() && down_biases[l].scalar_type() == gu.scalar_type() &&
+                  (bt == torch::kFloat32 || bt == torch::kBFloat16) &&
+                  gate_up_biases[l].scalar_type() == bt && down_biases[l].scalar_type() == bt &&
                   gate_up_biases[l].numel() == gu.size(0) * gu.size(1),
-                  "cpu executor: biases must be contiguous, in the bank dtype, [E, 2I] and [E, D]");
+                  "cpu executor: biases must be contiguous, in the bank dtype (fp32 or bf16 beside mxfp4 banks), "
+                  "[E, 2I] and [E, D]");
       expert_math_[gu.data_ptr()] = {gate_up_biases[l].data_ptr(), down_biases[l].data_ptr()};
+      bias_bf16_[gu.data_ptr()] = bt == torch::kBFloat16;
     }
     bias_keep_ = {gate_up_biases, down_biases};
     clamped_ = true;
@@ -212,9 +220,9 @@ class Executor {
   }
 
  private:
-  // bias [e][i] of a bank of dtype wdt, as fp32
+  // bias [e][i] as fp32
   float bias_at(const void* b, size_t i) const {
-    if (job_.wdt == WDtype::BF16) {
+    if (job_.bias_bf16) {
       uint32_t u = static_cast<uint32_t>(static_cast<const uint16_t*>(b)[i]) << 16;
       float f;
       std::memcpy(&f, &u, sizeof f);
@@ -230,19 +238,23 @@ class Executor {
     const torch::Tensor& gate_up = banks[0];
     const torch::Tensor& down = banks[1];
     const auto T = hidden.size(0), D = hidden.size(1), A = ids.size(1);
-    const auto E = gate_up.size(0), I = down.size(2);
+    const bool mx = gate_up.scalar_type() == torch::kUInt8;  // mxfp4: two e2m1 values per byte
+    const auto E = gate_up.size(0), I = down.size(2) * (mx ? 2 : 1);
     TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "cpu executor: hidden must be contiguous [T, D]");
     TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T && ids.is_contiguous(), "cpu executor: ids must be contiguous [T, A]");
     TORCH_CHECK(weights.sizes() == ids.sizes() && weights.is_contiguous(), "cpu executor: weights must be contiguous [T, A] like ids");
-    TORCH_CHECK(gate_up.dim() == 3 && gate_up.size(1) == 2 * I && gate_up.size(2) == D && gate_up.is_contiguous(),
-                "cpu executor: gate_up bank must be contiguous [E, 2I, D]");
+    TORCH_CHECK(gate_up.dim() == 3 && gate_up.size(1) == 2 * I && gate_up.size(2) == (mx ? D / 2 : D) &&
+                    gate_up.is_contiguous(),
+                "cpu executor: gate_up bank must be contiguous [E, 2I, D] (mxfp4: uint8 [E, 2I, D/2])");
     TORCH_CHECK(down.dim() == 3 && down.size(0) == E && down.size(1) == D && down.is_contiguous(),
                 "cpu executor: down bank must be contiguous [E, D, I]");
     const bool fp8 = gate_up.scalar_type() == torch::kFloat8_e4m3fn;
     TORCH_CHECK(gate_up.scalar_type() == down.scalar_type() &&
-                (gate_up.scalar_type() == torch::kFloat32 || gate_up.scalar_type() == torch::kBFloat16 || fp8),
-                "cpu executor: banks must both be float32, bfloat16 or float8_e4m3fn");
-    TORCH_CHECK(fp8 == (banks.size() == 4), "cpu executor: float8_e4m3fn banks (and only they) come with two scale banks");
+                (gate_up.scalar_type() == torch::kFloat32 || gate_up.scalar_type() == torch::kBFloat16 || fp8 || mx),
+                "cpu executor: banks must both be float32, bfloat16, float8_e4m3fn or uint8 (mxfp4)");
+    TORCH_CHECK((fp8 || mx) == (banks.size() == 4),
+                "cpu executor: float8_e4m3fn and mxfp4 banks (and only they) come with two scale banks");
+    if (mx) check_mxfp4_scales(banks, E, D, I);
     if (fp8) {
       const int64_t gI = (I + kFp8Block - 1) / kFp8Block, gD = (D + kFp8Block - 1) / kFp8Block;
       const auto& gs = banks[2];
@@ -268,20 +280,22 @@ class Executor {
     Job& j = job_;
     j.read_only = false;
     j.hidden = hidden; j.ids = ids; j.weights = weights; j.gate_up = gate_up; j.down = down; j.out = out;
-    j.gate_up_scale = fp8 ? banks[2] : torch::Tensor();
-    j.down_scale = fp8 ? banks[3] : torch::Tensor();
+    j.gate_up_scale = fp8 || mx ? banks[2] : torch::Tensor();
+    j.down_scale = fp8 || mx ? banks[3] : torch::Tensor();
     j.ready = ready.defined() && ready.numel() > 0 ? ready : torch::Tensor();
     j.ready_value = ready_value;
     j.T = T; j.A = A; j.D = D; j.I = I; j.E = E;
-    j.wdt = fp8 ? WDtype::FP8 : gate_up.scalar_type() == torch::kBFloat16 ? WDtype::BF16 : WDtype::F32;
+    j.wdt = mx ? WDtype::MXFP4 : fp8 ? WDtype::FP8 : gate_up.scalar_type() == torch::kBFloat16 ? WDtype::BF16 : WDtype::F32;
     // bf16 inputs to the dpbf16 kernels: bf16 weights always (where the CPU has the kernel); FP8 weights when
     // the model computes in bf16 (hidden arrives in bf16, so only the SwiGLU output is rounded, as the
     // GPU's bf16 path rounds it). An fp32 model's FP8 experts keep the fp32-input kernel: exact products.
+    // MXFP4 always takes fp32 inputs (pair-split, gemv.h).
     j.bf16_inputs = j.wdt == WDtype::BF16 ? k_.bf16_wants_bf16_x
                : j.wdt == WDtype::FP8 && hidden.scalar_type() == torch::kBFloat16 && k_.gemv_fp8_bx != nullptr;
     const auto math = expert_math_.find(gate_up.data_ptr());
     j.gate_up_bias = math == expert_math_.end() ? nullptr : math->second.first;
     j.down_bias = math == expert_math_.end() ? nullptr : math->second.second;
+    j.bias_bf16 = math != expert_math_.end() && bias_bf16_.at(gate_up.data_ptr());
     j.clamped = clamped_; j.alpha = alpha_; j.limit = limit_;
     const size_t Rmax = static_cast<size_t>(T * A);
     j.count.resize(E);  // prepare() zeroes it
@@ -664,7 +678,7 @@ class Executor {
       if (tid == 0) {
         j.t_done_ns = now_ns();
         if (j.loop) {
-          loop_bytes_.fetch_add((int64_t)j.G * 3 * j.I * j.D * welem(), std::memory_order_relaxed);
+          loop_bytes_.fetch_add((int64_t)j.G * expert_weight_bytes(), std::memory_order_relaxed);
           loop_jobs_.fetch_add(1, std::memory_order_release);
           j.loop_row = (j.loop_row + 1) % j.loop_rows;
           j.ids_offset = j.loop_row * j.T * j.A;
@@ -734,6 +748,7 @@ class Executor {
       std::memcpy(j.x_bf16.data(), j.hidden.data_ptr(), (size_t)T * D * sizeof(uint16_t));
     } else if (R > 0) {
       to_f32(j.hidden, (int64_t)T * D, j.x_f32.data());
+      if (j.wdt == WDtype::MXFP4) pair_split(j.x_f32.data(), T, D);
       if (bf16_x()) for (int64_t i = 0; i < (int64_t)T * D; ++i) j.x_bf16[i] = f32_to_bf16(j.x_f32[i]);
     }
     float* out = j.out.data_ptr<float>();
@@ -750,8 +765,38 @@ class Executor {
   }
 
   GemvFn gemv() const {
+    if (job_.wdt == WDtype::MXFP4) return k_.gemv_mxfp4;
     if (job_.wdt == WDtype::FP8) return job_.bf16_inputs ? k_.gemv_fp8_bx : k_.gemv_fp8;
     return job_.wdt == WDtype::BF16 ? k_.gemv_bf16 : k_.gemv_f32;
+  }
+  // bytes of `elems` weights in the job's bank dtype (mxfp4: two per byte)
+  size_t wbytes(size_t elems) const { return job_.wdt == WDtype::MXFP4 ? elems / 2 : elems * welem(); }
+  // one expert's weight bytes (what a job streams per expert; scales included for mxfp4: 1/16 more)
+  int64_t expert_weight_bytes() const {
+    const int64_t n = 3 * (int64_t)job_.I * job_.D;
+    return job_.wdt == WDtype::MXFP4 ? n / 2 + n / kMxBlock : n * (int64_t)welem();
+  }
+
+  // mxfp4 scale banks: E8M0 uint8 [E, 2I, D/32] and [E, D, I/32]; D and I multiples of 32
+  static void check_mxfp4_scales(const Banks& banks, int64_t E, int64_t D, int64_t I) {
+    TORCH_CHECK(D % kMxBlock == 0 && I % kMxBlock == 0, "cpu executor: mxfp4 banks need D and I multiples of 32");
+    const auto& gs = banks[2];
+    const auto& ds = banks[3];
+    TORCH_CHECK(gs.scalar_type() == torch::kUInt8 && gs.is_contiguous() && gs.dim() == 3 && gs.size(0) == E &&
+                    gs.size(1) == 2 * I && gs.size(2) == D / kMxBlock,
+                "cpu executor: mxfp4 gate_up_scale must be contiguous uint8 (E8M0) [E, 2I, D/32]");
+    TORCH_CHECK(ds.scalar_type() == torch::kUInt8 && ds.is_contiguous() && ds.dim() == 3 && ds.size(0) == E &&
+                    ds.size(1) == D && ds.size(2) == I / kMxBlock,
+                "cpu executor: mxfp4 down_scale must be contiguous uint8 (E8M0) [E, D, I/32]");
+  }
+
+  // rows [T, D] of fp32 into the mxfp4 kernels' pair-split layout, in place (gemv.h)
+  static void pair_split(float* x, int64_t T, int64_t D) {
+    float tmp[kMxBlock];
+    for (int64_t b = 0; b < T * D; b += kMxBlock) {
+      for (int i = 0; i < kMxBlock; ++i) tmp[mxfp4_x_pos(i)] = x[b + i];
+      std::memcpy(x + b, tmp, sizeof tmp);
+    }
   }
   size_t welem() const { return job_.wdt == WDtype::FP8 ? 1 : job_.wdt == WDtype::BF16 ? 2 : 4; }
   static int64_t blocks(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
@@ -799,20 +844,26 @@ class Executor {
       const int g = static_cast<int>(u / I);
       const int64_t i0 = u % I, i1 = std::min<int64_t>(I, i0 + (u1 - u));
       const int r0 = j.group_start[g], nt = j.group_start[g + 1] - r0;
-      const char* W = bank + ((size_t)j.group_expert[g] * 2 * I * D) * welem();
+      const char* W = bank + wbytes((size_t)j.group_expert[g] * 2 * I * D);
       thread_local std::vector<float*> y;
       y.resize(nt);
       for (int t = 0; t < nt; ++t) y[t] = j.h_ptr[r0 + t] + i0;
-      GemvArgs a{W + (size_t)i0 * D * welem(), D, static_cast<int>(i1 - i0), static_cast<int>(D), &j.x_ptr[r0], nt, y.data(), nullptr};
+      GemvArgs a{W + wbytes((size_t)i0 * D), D, static_cast<int>(i1 - i0), static_cast<int>(D), &j.x_ptr[r0], nt, y.data(), nullptr};
       if (j.wdt == WDtype::FP8) {  // gate's block grid first, then up's (fp8.py)
         a.lds = blocks(D);
         a.srow0 = static_cast<int>(i0);
         a.wscale = j.gate_up_scale.data_ptr<float>() + (size_t)j.group_expert[g] * 2 * blocks(I) * a.lds;
       }
+      const uint8_t* mxs = nullptr;  // mxfp4: the expert's E8M0 rows, D/32 bytes each
+      if (j.wdt == WDtype::MXFP4) {
+        mxs = j.gate_up_scale.data_ptr<uint8_t>() + (size_t)j.group_expert[g] * 2 * I * (D / kMxBlock);
+        a.mxscale = mxs + (size_t)i0 * (D / kMxBlock);
+      }
       gemv()(a);  // gate rows
       for (int t = 0; t < nt; ++t) y[t] = j.h_ptr[r0 + t] + I + i0;
-      a.W = W + (size_t)(I + i0) * D * welem();
+      a.W = W + wbytes((size_t)(I + i0) * D);
       if (j.wdt == WDtype::FP8) a.wscale += blocks(I) * a.lds;
+      if (mxs) a.mxscale = mxs + (size_t)(I + i0) * (D / kMxBlock);
       gemv()(a);  // up rows
       for (int t = 0; t < nt; ++t) {
         const float* hg = j.h_ptr[r0 + t];
@@ -830,7 +881,7 @@ class Executor {
             v = gv / (1.f + std::exp(-gv)) * uv;  // silu(gate) * up
           }
           if (bf16_x()) j.act_bf16[(size_t)(r0 + t) * I + i] = f32_to_bf16(v);
-          else j.act_f32[(size_t)(r0 + t) * I + i] = v;
+          else j.act_f32[(size_t)(r0 + t) * I + (mxs ? mxfp4_x_pos(i) : i)] = v;  // mxfp4: the down GEMV's layout
         }
       }
       u += i1 - i0;
@@ -849,13 +900,15 @@ class Executor {
       const int r0 = j.group_start[g], nt = j.group_start[g + 1] - r0;
       y.resize(nt);
       for (int t = 0; t < nt; ++t) y[t] = j.out_ptr[r0 + t] + d0;
-      const char* W = bank + ((size_t)j.group_expert[g] * D * I + (size_t)d0 * I) * welem();
+      const char* W = bank + wbytes((size_t)j.group_expert[g] * D * I + (size_t)d0 * I);
       GemvArgs a{W, I, static_cast<int>(d1 - d0), static_cast<int>(I), &j.act_ptr[r0], nt, y.data(), &j.route_w[r0]};
       if (j.wdt == WDtype::FP8) {
         a.lds = blocks(I);
         a.srow0 = static_cast<int>(d0);
         a.wscale = j.down_scale.data_ptr<float>() + (size_t)j.group_expert[g] * blocks(D) * a.lds;
       }
+      if (j.wdt == WDtype::MXFP4)
+        a.mxscale = j.down_scale.data_ptr<uint8_t>() + ((size_t)j.group_expert[g] * D + d0) * (I / kMxBlock);
       gemv()(a);
       if (j.down_bias) {  // gpt-oss: + route weight x bias, like transformers' (down(act) + bias) * w
         const size_t b0 = (size_t)j.group_expert[g] * D;
@@ -866,6 +919,7 @@ class Executor {
   }
 
   std::unordered_map<const void*, std::pair<const void*, const void*>> expert_math_;  // gate_up bank -> biases
+  std::unordered_map<const void*, bool> bias_bf16_;  // gate_up bank -> its biases are bf16 (else fp32)
   std::vector<std::vector<torch::Tensor>> bias_keep_;
   bool clamped_ = false;
   float alpha_ = 0.f, limit_ = 0.f;

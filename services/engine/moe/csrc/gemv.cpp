@@ -484,6 +484,96 @@ static void gemv_fp8(const GemvArgs& a) {
 }  // namespace avx512bf16_vbmi
 #pragma GCC pop_options
 
+// MXFP4 (gemv.h): one row of packed e2m1 bytes against TB pair-split fp32 inputs. Per 32-value block the
+// 16 bytes widen to 16 int32 lanes; vpermps reads only an index's low 4 bits, so the lanes index the
+// 16-entry e2m1 table as they are (the low nibbles, element 2j) and shifted right by 4 (the high ones,
+// 2j+1) with no masking; the block's E8M0 scale multiplies the table once (2^(s-127) is the fp32 of bits
+// s << 23: the exponent field, no exp2), so each block costs 1 widen + 1 shift + 1 mul + 2 vpermps,
+// then 2 FMAs per token. At bs=1 that is ~5 port-5/FMA ops per 16 bytes: the kernel keeps up with
+// a core's share of DRAM (~6 GB/s at 16 cores) with room to spare; the stream is what limits it.
+// E8M0 s = 0 reads as 0 (2^-127 times at most 6 is below fp32's normal range) and s = 255 (NaN in the OCP
+// spec, never in a checkpoint) as infinity.
+#define TANDEM_DEFINE_MXFP4_DRIVER(NAME, ROW)                                                      \
+  static void NAME(const GemvArgs& a) {                                                           \
+    const float* const* X = reinterpret_cast<const float* const*>(a.X);                          \
+    const int nb = a.K / kMxBlock;                                                                \
+    for (int r = 0; r < a.nrows; ++r) {                                                           \
+      const uint8_t* W = static_cast<const uint8_t*>(a.W) + (int64_t)r * (a.ldw / 2);            \
+      const uint8_t* S = a.mxscale + (int64_t)r * nb;                                             \
+      float v[4];                                                                                 \
+      int t0 = 0;                                                                                 \
+      for (; t0 + 4 <= a.ntok; t0 += 4) { ROW<4>(W, S, nb, X + t0, v); fp8_store(a, r, t0, 4, v); } \
+      switch (a.ntok - t0) {                                                                      \
+        case 3: ROW<3>(W, S, nb, X + t0, v); fp8_store(a, r, t0, 3, v); break;                   \
+        case 2: ROW<2>(W, S, nb, X + t0, v); fp8_store(a, r, t0, 2, v); break;                   \
+        case 1: ROW<1>(W, S, nb, X + t0, v); fp8_store(a, r, t0, 1, v); break;                   \
+        default: break;                                                                           \
+      }                                                                                           \
+    }                                                                                             \
+  }
+
+static const float kE2m1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+static inline float e8m0_to_f32(uint8_t s) {
+  const uint32_t u = static_cast<uint32_t>(s) << 23;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+namespace scalar {
+template <int TB>
+static inline void mxfp4_row(const uint8_t* W, const uint8_t* S, int nb, const float* const* X, float* out) {
+  for (int t = 0; t < TB; ++t) {
+    float acc = 0.f;
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* w = W + b * (kMxBlock / 2);
+      const float* x = X[t] + b * kMxBlock;  // pair-split: x[j] meets byte j's low nibble, x[16 + j] its high
+      float part = 0.f;
+      for (int j = 0; j < kMxBlock / 2; ++j) part += kE2m1[w[j] & 15] * x[j] + kE2m1[w[j] >> 4] * x[16 + j];
+      acc += e8m0_to_f32(S[b]) * part;
+    }
+    out[t] = acc;
+  }
+}
+TANDEM_DEFINE_MXFP4_DRIVER(gemv_mxfp4, mxfp4_row)
+}  // namespace scalar
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+namespace avx512 {
+template <int TB>
+static inline void mxfp4_row(const uint8_t* W, const uint8_t* S, int nb, const float* const* X, float* out) {
+  const __m512 table = _mm512_loadu_ps(kE2m1);
+  __m512 acc[TB][2];  // even / odd halves apart: two FMA chains per token
+  for (int t = 0; t < TB; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* w = W + b * (kMxBlock / 2);
+    if ((b & 3) == 0) prefetch_ahead(w);  // once per 64 bytes
+    const __m512i lanes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    const __m512 scaled = _mm512_mul_ps(table, _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(S[b]) << 23)));
+    const __m512 w_even = _mm512_permutexvar_ps(lanes, scaled);                         // low nibbles
+    const __m512 w_odd = _mm512_permutexvar_ps(_mm512_srli_epi32(lanes, 4), scaled);    // high nibbles
+    for (int t = 0; t < TB; ++t) {
+      const float* x = X[t] + b * kMxBlock;
+      acc[t][0] = _mm512_fmadd_ps(w_even, _mm512_loadu_ps(x), acc[t][0]);
+      acc[t][1] = _mm512_fmadd_ps(w_odd, _mm512_loadu_ps(x + 16), acc[t][1]);
+    }
+  }
+  for (int t = 0; t < TB; ++t) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]));
+}
+TANDEM_DEFINE_MXFP4_DRIVER(gemv_mxfp4, mxfp4_row)
+}  // namespace avx512
+#pragma GCC pop_options
+
+// The MXFP4 kernel of an ISA (set apart from the table below: AVX-512 and AVX-512-BF16 share one; AVX2
+// hosts take the scalar one, like FP8).
+static GemvFn mxfp4_kernel(const char* isa) {
+  if (!isa) return nullptr;
+  const bool has512 = std::strcmp(isa, "avx512bf16") == 0 || std::strcmp(isa, "avx512") == 0;
+  return has512 ? avx512::gemv_mxfp4 : scalar::gemv_mxfp4;
+}
+
 static bool cpu_has_avx512bf16() {
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 12
   unsigned a = 0, b = 0, c = 0, d = 0;  // old GCC lacks the name: CPUID leaf 7 subleaf 1, EAX bit 5
@@ -495,7 +585,15 @@ static bool cpu_has_avx512bf16() {
 #endif
 }
 
+static IsaKernels select_table(const char* force);
+
 IsaKernels select_kernels(const char* force) {
+  IsaKernels k = select_table(force);
+  k.gemv_mxfp4 = mxfp4_kernel(k.name);
+  return k;
+}
+
+static IsaKernels select_table(const char* force) {
   __builtin_cpu_init();
   const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");

@@ -12,14 +12,24 @@
 // block's partial dot product is scaled once (fp32 accumulate), so the scale costs one FMA per block.
 // Two FP8 kernels: fp32 X (exact products: fp32 models) and bf16 X (vdpbf16ps: bf16 models, ~3x the
 // weights per cycle; the executor picks by the hidden states' dtype).
+//
+// MXFP4 (mxfp4 banks): W holds packed e2m1 values, two per byte (element 2j in the low nibble of byte j,
+// 2j+1 in the high one; ldw and K still count elements), and `mxscale` one E8M0 byte per 32 values of
+// a row: row r's at mxscale + r * K / 32, value 2^(s - 127). X comes *pair-split* per 32-block: the 16
+// even elements of the block first, then the 16 odd ones (mxfp4_x_pos), so a byte's two nibbles meet
+// their inputs at the same lane of two vectors and no nibble shuffle is needed. K is a multiple of 32.
 #pragma once
 #include <cstdint>
 
 namespace tandem {
 
-enum class WDtype : int { F32 = 0, BF16 = 1, FP8 = 2 };
+enum class WDtype : int { F32 = 0, BF16 = 1, FP8 = 2, MXFP4 = 3 };
 
 constexpr int kFp8Block = 128;  // the fp8_block format's block edge (services/engine/moe/fp8.py BLOCK)
+constexpr int kMxBlock = 32;    // values per E8M0 scale (services/engine/models/mxfp4.py BLOCK)
+
+// Where element i of an MXFP4 GEMV's input vector sits in its pair-split layout (see above).
+inline int64_t mxfp4_x_pos(int64_t i) { return (i & ~int64_t{31}) | ((i & 1) << 4) | ((i & 31) >> 1); }
 
 struct GemvArgs {
   const void* W;        // weight rows, WDtype elements
@@ -33,6 +43,7 @@ struct GemvArgs {
   const float* wscale = nullptr;  // FP8 only: the scale row of block row srow0 / 128 ...
   int64_t lds = 0;                // ... floats between block rows (ceil(K / 128))
   int srow0 = 0;                  // ... and the first row's index on the block grid
+  const uint8_t* mxscale = nullptr;  // MXFP4 only: the first row's E8M0 bytes (K / 32 per row)
 };
 
 using GemvFn = void (*)(const GemvArgs&);
@@ -48,6 +59,7 @@ struct IsaKernels {
   GemvFn gemv_fp8_bx = nullptr;  // the same weights with bf16 X (vdpbf16ps), or nullptr where the CPU has none
   bool bf16_wants_bf16_x = false;
   ReadFn read = nullptr;       // the CPU read ceiling's kernel (benchmarks)
+  GemvFn gemv_mxfp4 = nullptr;  // packed e2m1 weights with E8M0 scales per 32, fp32 X pair-split
 };
 
 IsaKernels select_kernels(const char* force);
