@@ -1,7 +1,10 @@
 """CPU MoE executor at bs=1 against the CPU's DRAM read ceiling, both measured in this run.
 
 Geometry (defaults): Qwen3-30B-A3B experts (D=2048, I=768, bf16, 9.4 MB each; --dtype fp8: 4.7 MB), top-8 of 128, one
-layer's bank per `--layers` rotated so no expert is re-read from cache. Rounds interleave a read trial
+layer's bank per `--layers` rotated so no expert is re-read from cache. `--dtype mxfp4` is gpt-oss's
+format (packed e2m1 + E8M0 per 32, with its biases and clamped SwiGLU); give it gpt-oss-120b's geometry:
+`--dtype mxfp4 --hidden 2880 --intermediate 2880 --top-k 4 --experts 128` (13.1 MB per expert, ~4.25
+bits per weight); GB/s then counts MXFP4 bytes (packed values + scales) against the same read ceiling. Rounds interleave a read trial
 (STREAM-style sum by the executor's own pinned pool) and a GEMV trial, so a noisy neighbour hits both;
 the best trial of each is reported. Target: executor >= 80% of the read ceiling (issue 4).
 With CUDA: c_sync = the fixed per-layer cost of submit + sync through pinned buffers (DeviceHandoff),
@@ -53,6 +56,7 @@ import torch
 
 from services.engine.moe.banks import ExpertBanks, ExpertFormat
 from services.engine.moe.cpu_executor import CpuExecutor, default_num_threads
+from services.engine.moe.reference import ClampedSwiGLU
 from services.profiler.handoff_cost import measure_c_sync
 
 
@@ -60,11 +64,24 @@ def activation_dtype(banks: ExpertBanks, fp8_activations: str = "bfloat16") -> t
     """The hidden states' dtype for these banks: theirs, or for FP8 experts ``fp8_activations`` (bf16:
     a bf16 model, the dpbf16 kernel; float32: an fp32 model, the exact fp32-input kernel)."""
     dtype = banks.layers[0].tensors["down"].dtype
+    if dtype == torch.uint8:  # mxfp4: gpt-oss's bf16 model
+        return torch.bfloat16
     return getattr(torch, fp8_activations) if dtype == torch.float8_e4m3fn else dtype
 
 
 def make_banks(dtype: str, layers: int, E: int, D: int, I: int) -> ExpertBanks:
-    """Random banks: bf16/fp32 uniform(-0.05, 0.05), or fp8_block with random e4m3 codes (no NaN) and scales."""
+    """Random banks: bf16/fp32 uniform(-0.05, 0.05), fp8_block with random e4m3 codes (no NaN) and scales, or
+    mxfp4 random bytes with E8M0 scales 2^-8 and gpt-oss's zero biases / clamped SwiGLU (bf16 model)."""
+    if dtype == "mxfp4":
+        banks = ExpertBanks.allocate(ExpertFormat.MXFP4, layers, E, D, I, torch.bfloat16, bias=True,
+                                     activation=ClampedSwiGLU())
+        for layer in banks.layers:
+            for name, t in layer.tensors.items():
+                if name in ("gate_up", "down"):
+                    t.random_(0, 256)
+                else:
+                    t.fill_(119 if name.endswith("_scale") else 0)
+        return banks
     if dtype != "fp8":
         banks = ExpertBanks.allocate(ExpertFormat.UNQUANTIZED, layers, E, D, I, getattr(torch, dtype))
         for layer in banks.layers:
@@ -126,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=8, help="experts per token A (default: %(default)s)")
     p.add_argument("--hidden", type=int, default=2048, help="hidden size D (default: %(default)s)")
     p.add_argument("--intermediate", type=int, default=768, help="expert intermediate size I (default: %(default)s)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32", "fp8"], default="bfloat16",
-                   help="bank dtype; fp8 = the fp8_block format with bf16 activations (default: %(default)s)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32", "fp8", "mxfp4"], default="bfloat16",
+                   help="bank dtype; fp8 = the fp8_block format with bf16 activations, mxfp4 = gpt-oss's experts "
+                        "(biases, clamped SwiGLU, bf16 activations) (default: %(default)s)")
     p.add_argument("--fp8-activations", choices=["bfloat16", "float32"], default="bfloat16",
                    help="with --dtype fp8: the hidden states' dtype, bfloat16 (a bf16 model: the dpbf16 kernel) or "
                         "float32 (an fp32 model: the exact fp32-input kernel) (default: %(default)s)")
