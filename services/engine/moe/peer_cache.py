@@ -10,10 +10,10 @@ host banks otherwise, in the same fused launch (kernels/peer_copy.py); in `hybri
 takes its share of the misses (services/engine/moe/peer_split.py sizes the three paths).
 
 Placement: static, refreshed. The peer slots start with the experts in the order (expert 0 of every
-layer, expert 1 of every layer, ...), every layer an equal share; every ``REFRESH_STEPS`` decode steps they
-are re-chosen as the G most used experts (the cache's lfu counts) that the home slots do not hold: the
-ones the next misses are likeliest to ask for. A tier with G >= L*E holds every expert and never moves.
-A refresh waits for the devices (one sync per REFRESH_STEPS steps), copies the newly placed experts from
+layer, expert 1 of every layer, ...), every layer an equal share; after 16, 32, 64, ... decode steps, then
+every ``REFRESH_STEPS``, they are re-chosen as the G most used experts (the cache's lfu counts) that the home
+slots do not hold: the ones the next misses are likeliest to ask for. A tier with G >= L*E holds every
+expert and never moves. A refresh waits for the devices (one sync), copies the newly placed experts from
 the host banks and rewrites the table; the decode graphs read the table and the peer slots in place.
 
 Simulated peers (tests, one-GPU hosts): a peer may be the home device itself (``cuda:0`` beside a home
@@ -33,7 +33,10 @@ from services.engine.moe.sizing import GiB, HEADROOM_FRACTION, HEADROOM_MIN_BYTE
 
 log = get_logger("moe.peer_cache")
 
-REFRESH_STEPS = 256  # decode steps between placements: a sync and ~G/10 expert copies, <1 % of the steps' time
+# Placement refreshes after 16, 32, 64, ... decode steps (the use counts settle fast at first), then every
+# REFRESH_STEPS: each is one sync and the copies of the experts placed anew (few once the counts settle)
+FIRST_REFRESH = 16
+REFRESH_STEPS = 1024
 PROBE_BYTES = 64 << 20  # the startup P2P probe's copy: large enough to reach the link's rate (NVLink ~ms)
 _PEER_ACCESS_ALREADY_ENABLED = 704  # CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
 
@@ -107,6 +110,7 @@ class PeerTier:
         self.placed = [-1] * self.num_slots  # host mirror: flat id held by each peer slot
         self.p2p_gbps = p2p_gbps
         self.steps = self.refreshes = self.moved = 0
+        self._next_refresh = FIRST_REFRESH
         # share of the fetched misses a peer served: first the share of the experts outside the home slots
         # that the tier holds (uniform routing), then counted between refreshes (the hybrid's cost model)
         self.peer_share = min(1.0, self.num_slots / max(1, self.L * self.E - cache.num_slots))
@@ -180,9 +184,11 @@ class PeerTier:
         return moved
 
     def observe_step(self) -> None:
-        """One decode step done (model thread, between steps): refresh every REFRESH_STEPS steps."""
+        """One decode step done (model thread, between steps): refresh after 16, 32, ... steps, then every
+        REFRESH_STEPS."""
         self.steps += 1
-        if not self.holds_everything and self.steps % REFRESH_STEPS == 0:
+        if not self.holds_everything and self.steps >= self._next_refresh:
+            self._next_refresh = min(2 * self._next_refresh, self._next_refresh + REFRESH_STEPS)
             moved = self.refresh()
             log.debug("peer tier refresh %d: %d experts placed anew", self.refreshes, moved)
 
