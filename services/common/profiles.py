@@ -107,8 +107,8 @@ class Profile(_Model):
     created_at: str
     tandem_version: str
     ceilings: Ceilings
-    kernels: dict[str, KernelBandwidths]  # expert format (dtype name, e.g. "bfloat16") -> bandwidths
-    concurrent: dict[str, Concurrent] = {}  # expert format -> concurrent bandwidths (GPU only)
+    kernels: dict[str, KernelBandwidths]  # expert format key (format_key: "bfloat16", "fp8_block") -> bandwidths
+    concurrent: dict[str, Concurrent] = {}  # expert format key -> concurrent bandwidths (GPU only)
     c_sync_s: float = Field(ge=0)  # per-layer CPU submit + sync cost of the hybrid path
     geometry: Geometry
     threshold: float = Field(DEFAULT_THRESHOLD, gt=0)  # required predicted speedup of hybrid over offload
@@ -117,6 +117,32 @@ class Profile(_Model):
     @property
     def has_gpu(self) -> bool:
         return not self.gpu.uuid.startswith(CPU_UUID_PREFIX) and self.ceilings.h2d is not None
+
+
+UNQUANTIZED = "unquantized"  # services.engine.moe.banks.ExpertFormat.UNQUANTIZED (this module is torch-free)
+
+
+def format_key(expert_format: str, dtype: str) -> str:
+    """The key of an expert format's entries in ``kernels`` / ``concurrent``: the dtype name for unquantized
+    experts ("bfloat16", "float32": what every profile written before quantized formats holds, so old
+    files read as they are), else the format's own name ("fp8_block", "mxfp4"), whatever the model
+    dtype. Why per format: the CPU executor's rate differs per format (FP8 widens codes in registers,
+    it is not a pure stream); PCIe moves bytes alike, but is measured per format too (more banks per
+    expert: more, smaller copies)."""
+    return dtype if expert_format == UNQUANTIZED else expert_format
+
+
+def resolve_format(profile: "Profile", key: str, fallback: str | None = None) -> tuple[str | None, str]:
+    """The entry to use for format ``key``: (key, "") when the profile has it; else (``fallback``, why)
+    when it has that one (an FP8 model's experts fall back to the model dtype's entry: bytes per second
+    carry over for PCIe, the CPU rate is the other format's); else (None, why)."""
+    if key in profile.kernels and (key in profile.concurrent or not profile.has_gpu):
+        return key, ""
+    has = sorted(profile.kernels)
+    if fallback is not None and fallback != key and fallback in profile.kernels:
+        return fallback, (f"profile of {profile.gpu.uuid} has no {key!r} entry (has {has}): using its {fallback!r} "
+                          f"rates instead (the CPU rate of {key!r} differs); run `tandem bench bw --dtype {key}`")
+    return None, f"profile of {profile.gpu.uuid} has no {key!r} entry (has {has}); run `tandem bench bw --dtype {key}`"
 
 
 def now_iso() -> str:
@@ -292,13 +318,13 @@ def _no_decision(reason: str) -> Decision:
 
 
 def decide(profile: Profile | None, expert_bytes: int, misses_per_layer: float, num_layers: int, *,
-           fmt: str | None = None, threshold: float | None = None) -> Decision:
+           fmt: str | None = None, fallback_fmt: str | None = None, threshold: float | None = None) -> Decision:
     """Offload or hybrid, and the fetch fraction, from a profile.
 
     expert_bytes: bytes of one expert across its banks · misses_per_layer: expected cache misses per
     MoE layer per token (may be fractional) · num_layers: MoE layers · fmt: expert format key in the
-    profile (default: the only/first one) · threshold: required predicted speedup (default: the
-    profile's). Offload time uses the PCIe gather alone; hybrid uses the concurrent bandwidths plus
+    profile (format_key; default: the only/first one) · fallback_fmt: the entry to use when ``fmt`` has
+    none (resolve_format; logged) · threshold: required predicted speedup (default: the profile's). Offload time uses the PCIe gather alone; hybrid uses the concurrent bandwidths plus
     c_sync for each layer with CPU work. Hybrid wins only if strictly faster and t_offload / t_hybrid >= threshold.
     """
     if profile is None:
@@ -307,12 +333,12 @@ def decide(profile: Profile | None, expert_bytes: int, misses_per_layer: float, 
         return _no_decision(f"profile of {profile.gpu.uuid} was measured without a GPU: using offload; {HOW_TO_PROFILE}")
     if not profile.kernels:
         return _no_decision(f"profile of {profile.gpu.uuid} has no kernel measurements: using offload")
-    key = fmt if fmt is not None else next(iter(profile.kernels))
-    kern = profile.kernels.get(key)
-    conc = profile.concurrent.get(key)
-    if kern is None or conc is None:
-        return _no_decision(f"profile of {profile.gpu.uuid} has no concurrent measurement for format {key!r} "
-                            f"(has {sorted(profile.kernels)}): using offload; run `tandem bench bw --dtype {key}`")
+    key, why = resolve_format(profile, fmt if fmt is not None else next(iter(profile.kernels)), fallback_fmt)
+    if key is None:
+        return _no_decision(f"{why}: using offload")
+    if why:
+        log.warning("%s", why)
+    kern, conc = profile.kernels[key], profile.concurrent[key]
     pcie_alone = kern.pcie_gather or profile.ceilings.h2d
     f = conc.pcie_ov / (conc.pcie_ov + conc.cpu_ov)
     f_q16 = round(f * 65536)
@@ -336,12 +362,13 @@ def expected_misses_per_layer(top_k: int, cache_rate: float) -> float:
 
 
 def auto_backend(gpu_uuid: str | None, expert_bytes: int, misses_per_layer: float, num_layers: int, *,
-                 fmt: str | None = None, directory: str | os.PathLike | None = None) -> tuple[Decision, Path | None]:
+                 fmt: str | None = None, fallback_fmt: str | None = None,
+                 directory: str | os.PathLike | None = None) -> tuple[Decision, Path | None]:
     """Engine hook for ``--moe-backend auto``: find this GPU's profile and decide; logs the reason.
     ``gpu_uuid`` None (no GPU) gives offload. Returns (decision, profile path or None)."""
     found = find_profile(gpu_uuid, directory) if gpu_uuid else None
     profile, path = found if found else (None, None)
-    decision = decide(profile, expert_bytes, misses_per_layer, num_layers, fmt=fmt)
+    decision = decide(profile, expert_bytes, misses_per_layer, num_layers, fmt=fmt, fallback_fmt=fallback_fmt)
     log.info("moe-backend auto -> %s (f=%.3f)%s: %s", decision.backend, decision.fetch_fraction,
              f" from {path}" if path else "", decision.reason)
     return decision, path

@@ -2,6 +2,7 @@
 
     tandem bench bw                                   # first GPU, bf16, Qwen3-30B-A3B geometry
     tandem bench bw --dtype bfloat16,float32 --model mixtral-8x7b --gpu GPU-3f2a... --seconds 2
+    tandem bench bw --dtype bfloat16,fp8_block                 # also FP8 experts' rates (the engine reads the entry of its format)
     tandem bench bw --profiles-dir /profiles          # the shared volume (default env TANDEM_PROFILES_DIR)
     tandem bench bw -o /tmp/p.json                    # this file instead of the profiles dir
 
@@ -53,14 +54,18 @@ def geometry(model: str) -> Geometry:
     return Geometry(spec.num_moe_layers, spec.num_experts, spec.top_k, spec.hidden_size, spec.moe_intermediate_size)
 
 
-DTYPES = ("bfloat16", "float32")
+# expert formats by their profile key (services/common/profiles.format_key): unquantized experts in a dtype,
+# or fp8_block (FP8 experts of a bf16 model: the CPU executor's dpbf16 kernel, 4 banks per expert to copy)
+DTYPES = ("bfloat16", "float32", "fp8_block")
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem bench bw", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="bfloat16",
-                   help=f"comma-separated expert formats to measure, from {', '.join(DTYPES)} (default: %(default)s)")
+                   help=f"comma-separated expert formats to measure, from {', '.join(DTYPES)} (bfloat16/float32: "
+                        "unquantized experts in that dtype; fp8_block: FP8 experts of a bf16 model); each is one "
+                        "entry of the profile, which the engine picks by its expert format (default: %(default)s)")
     p.add_argument("--model", default="synthetic:qwen3-30b-a3b",
                    help="geometry: a synthetic preset, 'synthetic:NAME[?layers=N]' or 'NAME' (default: %(default)s)")
     p.add_argument("--threshold", type=float, default=P.DEFAULT_THRESHOLD,
@@ -131,8 +136,10 @@ def measure(args: argparse.Namespace, geo: Geometry, dtypes: list[str], gpu: hos
             log.info("one GPU: no P2P pair to measure (the profile's p2p stays empty)")
     for name in dtypes:
         def kernels(name: str = name) -> None:
-            dtype = getattr(torch, name)
-            bank = probes.make_bank(geo.num_experts, geo.hidden_size, geo.moe_intermediate_size, dtype, pin=dev is not None)
+            fmt = name if name == "fp8_block" else "unquantized"
+            dtype = torch.bfloat16 if fmt == "fp8_block" else getattr(torch, name)
+            bank = probes.make_bank(geo.num_experts, geo.hidden_size, geo.moe_intermediate_size, dtype,
+                                    pin=dev is not None, fmt=fmt)
             kern = probes.CpuKernel(bank, geo.top_k, threads, args.cpu_kernel)
             try:
                 ceiling = kern.read_ceiling(buf)  # the executor's own pool: one pinned thread per core

@@ -15,7 +15,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -77,28 +77,60 @@ def cpu_read(buffer_bytes: int, cpus: list[int], seconds: float) -> float:
 @dataclass
 class ExpertBank:
     """One layer's experts in host memory: gate_up [E, 2I, D], down [E, D, I] (pinned when a GPU is
-    measured: the real banks are pinned)."""
+    measured: the real banks are pinned); for the fp8_block format also the block scales
+    (``scales``: gate_up_scale [E, 2*ceil(I/128), ceil(D/128)], down_scale [E, ceil(D/128), ceil(I/128)])."""
 
     gate_up: torch.Tensor
     down: torch.Tensor
+    scales: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_experts(self) -> int:
         return self.gate_up.shape[0]
 
     @property
+    def fmt(self) -> str:
+        return "fp8_block" if self.scales else "unquantized"
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every bank by name, in the bank schema's order (what the cache copies and the executor reads)."""
+        return {"gate_up": self.gate_up, "down": self.down, **self.scales}
+
+    @property
+    def act_dtype(self) -> torch.dtype:
+        """The hidden states' dtype: the bank's, or bf16 for FP8 experts (a bf16 model's)."""
+        return torch.bfloat16 if self.scales else self.gate_up.dtype
+
+    @property
     def expert_bytes(self) -> int:
-        return self.gate_up[0].nbytes + self.down[0].nbytes
+        return sum(t[0].nbytes for t in self.tensors.values())
 
 
-def make_bank(E: int, D: int, I: int, dtype: torch.dtype, pin: bool, huge_pages: bool = True) -> ExpertBank:
+def make_bank(E: int, D: int, I: int, dtype: torch.dtype, pin: bool, huge_pages: bool = True,
+              fmt: str = "unquantized") -> ExpertBank:
     """A bank in the memory the engine's host banks live in (banks.host_bank: huge pages unless
-    ``huge_pages`` is False, pinned in place)."""
-    gate_up = host_bank((E, 2 * I, D), dtype, huge_pages).normal_(0, 0.02)  # [E, 2I, D]
-    down = host_bank((E, D, I), dtype, huge_pages).normal_(0, 0.02)  # [E, D, I]
+    ``huge_pages`` is False, pinned in place). ``fmt`` "fp8_block": e4m3 codes (random, finite) with
+    block scales, ``dtype`` unused."""
+    if fmt == "fp8_block":
+        from services.engine.moe.fp8 import grid
+
+        gate_up = host_bank((E, 2 * I, D), torch.float8_e4m3fn, huge_pages)  # [E, 2I, D]
+        down = host_bank((E, D, I), torch.float8_e4m3fn, huge_pages)  # [E, D, I]
+        for t in (gate_up, down):
+            t.view(torch.uint8).random_(0, 0x7F)  # 0..0x7E: every finite positive code (0x7F is NaN)
+        scales = {"gate_up_scale": host_bank((E, 2 * grid(I), grid(D)), torch.float32, huge_pages).fill_(1e-3),
+                  "down_scale": host_bank((E, grid(D), grid(I)), torch.float32, huge_pages).fill_(1e-3)}
+    elif fmt == "unquantized":
+        gate_up = host_bank((E, 2 * I, D), dtype, huge_pages).normal_(0, 0.02)  # [E, 2I, D]
+        down = host_bank((E, D, I), dtype, huge_pages).normal_(0, 0.02)  # [E, D, I]
+        scales = {}
+    else:
+        raise ValueError(f"make_bank: unknown expert format {fmt!r} (unquantized, fp8_block)")
     if pin:
-        gate_up, down = pin_host([gate_up, down])
-    return ExpertBank(gate_up, down)
+        gate_up, down, *rest = pin_host([gate_up, down, *scales.values()])
+        scales = dict(zip(scales, rest))
+    return ExpertBank(gate_up, down, scales)
 
 
 def _rotating_ids(E: int, A: int):
@@ -121,7 +153,7 @@ class CpuKernel:
     def __init__(self, bank: ExpertBank, top_k: int, threads: int, impl: str = "auto"):
         self.bank, self.A = bank, min(top_k, bank.num_experts)
         D = bank.gate_up.shape[2]
-        self.x = torch.randn(1, D, dtype=bank.gate_up.dtype)  # [1, D]
+        self.x = torch.randn(1, D, dtype=bank.act_dtype)  # [1, D]
         self.w = torch.full((1, self.A), 1.0 / self.A)  # [1, A]
         self.ids = _rotating_ids(bank.num_experts, self.A)
         self.executor = None
@@ -130,7 +162,7 @@ class CpuKernel:
                 from services.engine.moe.banks import ExpertBanks, ExpertFormat, LayerBanks
                 from services.engine.moe.cpu_executor import CpuExecutor
 
-                banks = ExpertBanks([LayerBanks(ExpertFormat.UNQUANTIZED, {"gate_up": bank.gate_up, "down": bank.down})])
+                banks = ExpertBanks([LayerBanks(ExpertFormat(bank.fmt), bank.tensors)])
                 self.executor = CpuExecutor(banks, num_threads=threads)
             except RuntimeError as ex:
                 if impl == "executor":
@@ -143,10 +175,15 @@ class CpuKernel:
         self.name = f"cpu_executor({self.executor.isa})" if self.executor else "torch"
 
     def _torch_step(self, ids: list[int]) -> None:
+        from services.engine.moe.fp8 import dense_experts
+
         I = self.bank.down.shape[2]
-        for e in ids:
-            h = self.x @ self.bank.gate_up[e].t()  # [1, 2I]
-            _ = (F.silu(h[:, :I]) * h[:, I:]) @ self.bank.down[e].t()  # [1, D]
+        sc = self.bank.scales
+        for e in ids:  # FP8: dequantized per expert (what the grouped torch loop does)
+            gate_up, down = dense_experts(self.bank.gate_up[e], self.bank.down[e], sc["gate_up_scale"][e] if sc else None,
+                                          sc["down_scale"][e] if sc else None, self.x.dtype)
+            h = self.x @ gate_up.t()  # [1, 2I]
+            _ = (F.silu(h[:, :I]) * h[:, I:]) @ down.t()  # [1, D]
 
     def step(self) -> int:
         """One layer's A experts; returns expert bytes read."""
@@ -217,14 +254,14 @@ class Gather:
     def __init__(self, bank: ExpertBank, top_k: int, device: int):
         self.bank, self.A = bank, min(top_k, bank.num_experts)
         dev = torch.device(f"cuda:{device}")
-        self.slots = {"gate_up": torch.empty((self.A, *bank.gate_up.shape[1:]), dtype=bank.gate_up.dtype, device=dev),
-                      "down": torch.empty((self.A, *bank.down.shape[1:]), dtype=bank.down.dtype, device=dev)}
+        self.slots = {name: torch.empty((self.A, *t.shape[1:]), dtype=t.dtype, device=dev)
+                      for name, t in bank.tensors.items()}  # every bank (FP8: the scales too)
         self.ids = _rotating_ids(bank.num_experts, self.A)
         self.plan = None
         if have_module("kernels.gather_copy"):
             from kernels.gather_copy import CopyPlan
 
-            self.plan = CopyPlan([{"gate_up": bank.gate_up, "down": bank.down}], self.slots)
+            self.plan = CopyPlan([bank.tensors], self.slots)
             E = bank.num_experts
             steps = max(1, E // self.A)
             table = [[(s * self.A + k) % E for k in range(self.A)] for s in range(steps)]
@@ -244,8 +281,8 @@ class Gather:
             copy_missing(self.plan, src, self.job_dst, self.job_count, mode=CopyMode.FUSED, max_jobs=self.A)
         else:
             for s, e in enumerate(next(self.ids)):
-                self.slots["gate_up"][s].copy_(self.bank.gate_up[e], non_blocking=True)
-                self.slots["down"][s].copy_(self.bank.down[e], non_blocking=True)
+                for name, t in self.bank.tensors.items():
+                    self.slots[name][s].copy_(t[e], non_blocking=True)
         return self.A * self.bank.expert_bytes
 
 
@@ -319,7 +356,7 @@ def c_sync(kernel: CpuKernel, hidden: int, device: int | None, seconds: float) -
     (handoff_cost.measure_c_sync_eager: loop with the handoff minus loop without,
     so the GPU's own latency hidden by the pipeline is not counted); with the executor alone, submit +
     wait; else a Python thread round trip (+ small D2H/H2D on a GPU, as benchmarks/ceilings.py's handoff_us)."""
-    dtype, A = kernel.bank.gate_up.dtype, kernel.A
+    dtype, A = kernel.bank.act_dtype, kernel.A
     if kernel.executor is not None and device is not None:
         from services.profiler.handoff_cost import measure_c_sync_eager
 

@@ -202,3 +202,55 @@ def test_auto_backend_reads_the_store(tmp_path):
     assert d.backend == "hybrid" and path == tmp_path / f"{GPU}.json"
     d, path = P.auto_backend("GPU-00000000-0000-0000-0000-000000000001", B, 4.0, 48, directory=tmp_path)
     assert d.backend == "offload" and path is None
+
+
+# ---------------------------------------------------------------------------------------------- expert formats
+
+
+FP8_B = B // 2 + 4 * (2 * 6 * 16 + 16 * 6)  # one Qwen3-30B-A3B fp8_block expert: e4m3 weights and fp32 block scales
+
+
+def with_fp8(profile: P.Profile, cpu_ov: float) -> P.Profile:
+    """``profile`` with an fp8_block entry: PCIe as the bf16 entry's, the CPU at ``cpu_ov`` GB/s."""
+    return profile.model_copy(update={
+        "kernels": {**profile.kernels, "fp8_block": P.KernelBandwidths(cpu_executor_bs1=cpu_ov, pcie_gather=52.0)},
+        "concurrent": {**profile.concurrent, "fp8_block": P.Concurrent(pcie_ov=52.0, cpu_ov=cpu_ov)}})
+
+
+def test_format_key_is_the_dtype_for_unquantized_experts_else_the_format():
+    assert P.format_key("unquantized", "bfloat16") == "bfloat16"  # what every older profile holds
+    assert P.format_key("unquantized", "float32") == "float32"
+    assert P.format_key("fp8_block", "bfloat16") == P.format_key("fp8_block", "float32") == "fp8_block"
+    assert P.format_key("mxfp4", "bfloat16") == "mxfp4"
+
+
+def test_decision_reads_the_entry_of_the_format():
+    """Same PCIe rates, the CPU 3x slower on FP8 experts than on bf16: the fp8_block entry's fraction."""
+    profile = with_fp8(make_profile(cpu_ov=74.0), cpu_ov=25.0)
+    bf16 = P.decide(profile, B, 4.0, 48, fmt="bfloat16")
+    fp8 = P.decide(profile, FP8_B, 4.0, 48, fmt="fp8_block", fallback_fmt="bfloat16")
+    assert bf16.fetch_fraction == pytest.approx(52 / (52 + 74))
+    assert fp8.fetch_fraction == pytest.approx(52 / (52 + 25))
+    assert "cpu 25.0" in fp8.reason
+
+
+def test_missing_format_falls_back_to_the_dtype_entry_with_a_warning(caplog):
+    profile = make_profile()  # bf16 only: a profile from before formats were measured
+    with caplog.at_level(logging.WARNING, logger="tandem.profiles"):
+        d = P.decide(profile, FP8_B, 4.0, 48, fmt="fp8_block", fallback_fmt="bfloat16")
+    assert d.backend == "hybrid" and d.fetch_fraction == pytest.approx(52 / (52 + 74))
+    assert "no 'fp8_block' entry" in caplog.text and "'bfloat16' rates instead" in caplog.text
+    assert "bench bw --dtype fp8_block" in caplog.text
+    d = P.decide(profile, FP8_B, 4.0, 48, fmt="fp8_block")  # no fallback given: offload, saying why
+    assert d.backend == "offload" and "no 'fp8_block' entry" in d.reason
+
+
+def test_old_profile_file_keyed_by_dtype_reads_as_the_unquantized_entries(tmp_path):
+    """A file written before formats (its keys are dtype names) is read as it is and serves bf16 experts."""
+    old = make_profile().model_dump(mode="json")
+    path = tmp_path / f"{GPU}.json"
+    path.write_text(json.dumps(old))
+    profile = P.read_profile(path)
+    key, why = P.resolve_format(profile, P.format_key("unquantized", "bfloat16"))
+    assert (key, why) == ("bfloat16", "")
+    assert P.auto_backend(GPU, B, 4.0, 48, fmt="bfloat16", directory=tmp_path)[0].backend == "hybrid"

@@ -70,6 +70,26 @@ def test_cpu_probes_measure_something():
     assert 0 < probes.c_sync(kern, 64, None, 0.02) < 1.0
 
 
+def test_fp8_bank_probes():
+    """fp8_block banks: e4m3 codes (finite) with their scales, counted in the expert's bytes; the torch kernel
+    dequantizes them; the profile gets an 'fp8_block' entry."""
+    bank = probes.make_bank(4, 192, 160, torch.bfloat16, pin=False, fmt="fp8_block")
+    assert bank.gate_up.dtype == torch.float8_e4m3fn and bank.act_dtype == torch.bfloat16
+    assert list(bank.tensors) == ["gate_up", "down", "gate_up_scale", "down_scale"]
+    assert bank.expert_bytes == 3 * 192 * 160 + 4 * (2 * 2 * 2 + 2 * 2)
+    assert ((bank.gate_up.view(torch.uint8) & 0x7F) != 0x7F).all()
+    kern = probes.CpuKernel(bank, 2, 1, impl="torch")
+    assert probes.cpu_kernel_bw(kern, 0.02) > 0
+    assert 0 < probes.c_sync(kern, 192, None, 0.02) < 1.0
+
+
+def test_fp8_block_is_measured_as_its_own_entry(tmp_path):
+    assert bench_bw.main([*FAST, "--dtype", "bfloat16,fp8_block", "--profiles-dir", str(tmp_path)]) == 0
+    profile = P.list_profiles(tmp_path)[0].profile
+    assert set(profile.kernels) == {"bfloat16", "fp8_block"}
+    assert profile.kernels["fp8_block"].cpu_executor_bs1 > 0
+
+
 def test_geometry_from_the_synthetic_presets():
     g = bench_bw.geometry("synthetic:qwen3-30b-a3b")
     assert (g.num_layers, g.num_experts, g.top_k, g.hidden_size, g.moe_intermediate_size) == (48, 128, 8, 2048, 768)
@@ -83,6 +103,18 @@ def test_executor_is_the_real_cpu_kernel(tmp_path):
     profile = P.list_profiles(tmp_path)[0].profile
     assert profile.kernels["bfloat16"].cpu_kernel.startswith("cpu_executor(")
     assert profile.c_sync_s > 0
+
+
+@pytest.mark.slow  # builds the C++ executor extension when its cached build is stale
+def test_executor_measures_fp8_experts():
+    bank = probes.make_bank(4, 256, 128, torch.bfloat16, pin=False, fmt="fp8_block")
+    kern = probes.CpuKernel(bank, 2, 1, impl="executor")
+    try:
+        assert kern.name.startswith("cpu_executor(")
+        assert kern.step() == 2 * bank.expert_bytes
+        assert probes.cpu_kernel_bw(kern, 0.05) > 0
+    finally:
+        kern.close()
 
 
 @pytest.mark.gpu

@@ -28,7 +28,7 @@ from services.common.logging import get_logger
 from services.common.profiles import auto_backend, expected_misses_per_layer, normalize_uuid
 from services.engine.config import MoEBackend
 from services.engine.moe.backends import BackendContext, ExpertBackend, register_backend
-from services.engine.moe.hybrid import SPLIT_MAX_DECODE, HybridBackend, profile_prior
+from services.engine.moe.hybrid import SPLIT_MAX_DECODE, HybridBackend, profile_format, profile_prior
 from services.engine.moe.offload import OffloadBackend, kv_reserve_bytes
 from services.engine.moe.sizing import CacheGeometry, decide_cache_size
 from services.engine.moe.split_buckets import bucket_name, next_pow2
@@ -153,8 +153,9 @@ class AutoBackend:
     def _decide(self):
         cache_rate = self.num_slots / self.geometry.total_experts
         misses = expected_misses_per_layer(self.ctx.top_k, cache_rate)
+        fmt, fallback = profile_format(self.ctx)  # the bank format's entry (fp8_block, ...), else the dtype's
         return auto_backend(gpu_uuid(self.ctx.device), self.geometry.expert_nbytes, misses, self.geometry.num_layers,
-                            fmt=str(self.ctx.dtype).removeprefix("torch."))
+                            fmt=fmt, fallback_fmt=fallback)
 
     def _build(self, kind: str) -> ExpertBackend:
         if kind == MoEBackend.HYBRID.value:

@@ -77,12 +77,23 @@ def split_max_tokens(tunable: bool, max_running_requests: int) -> int:
     return max(SPLIT_MAX_TOKENS, cap) if tunable else cap
 
 
+def profile_format(ctx: BackendContext) -> tuple[str, str | None]:
+    """(key, fallback) of this model's expert format in a profile (services/common/profiles.format_key): the
+    dtype name for unquantized experts, else the format's name with the model dtype's entry as fallback."""
+    from services.common.profiles import format_key
+
+    dtype = str(ctx.dtype).removeprefix("torch.")
+    fmt = ctx.banks.layers[0].format.value if ctx.banks.layers else "unquantized"
+    key = format_key(fmt, dtype)
+    return key, (dtype if key != dtype else None)
+
+
 def profile_prior(ctx: BackendContext) -> dict:
     """Controller prior from this GPU's bandwidth profile (concurrent rates, c_sync), or {} without one."""
     if ctx.device.type != "cuda":
         return {}
     try:
-        from services.common.profiles import find_profile, normalize_uuid
+        from services.common.profiles import find_profile, normalize_uuid, resolve_format
 
         uuid = normalize_uuid(str(torch.cuda.get_device_properties(ctx.device).uuid))
         found = find_profile(uuid)
@@ -94,11 +105,14 @@ def profile_prior(ctx: BackendContext) -> dict:
         log.info("hybrid: no bandwidth profile for this GPU; starting from f=%.2f and measuring", DEFAULT_FRACTION)
         return {}
     profile, path = found
-    conc = profile.concurrent.get(str(ctx.dtype).removeprefix("torch."))
+    key, why = resolve_format(profile, *profile_format(ctx))
+    if why:
+        log.warning("hybrid: %s", why)
+    conc = profile.concurrent.get(key) if key is not None else None
     if conc is None:
         return {"c_sync_s": profile.c_sync_s}
-    log.info("hybrid: prior from %s: concurrent pcie %.1f + cpu %.1f GB/s, c_sync %.1f us", path, conc.pcie_ov,
-             conc.cpu_ov, profile.c_sync_s * 1e6)
+    log.info("hybrid: prior from %s (%s): concurrent pcie %.1f + cpu %.1f GB/s, c_sync %.1f us", path, key,
+             conc.pcie_ov, conc.cpu_ov, profile.c_sync_s * 1e6)
     return {"prior_fraction": conc.pcie_ov / (conc.pcie_ov + conc.cpu_ov), "pcie_bps": conc.pcie_ov * 1e9,
             "cpu_bps": conc.cpu_ov * 1e9, "c_sync_s": profile.c_sync_s}
 

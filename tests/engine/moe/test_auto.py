@@ -3,6 +3,7 @@ GPU's profile predicts it faster, a reload that switches backends while keeping 
 
 import logging
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -75,6 +76,32 @@ def test_profile_picks_hybrid_and_reload_switches(qwen3, tmp_path, monkeypatch):
     assert result["rebuilt"] and result["auto"]["chosen"] == "offload"
     assert isinstance(backend.inner, OffloadBackend)
     assert greedy_generate(lm, PROMPT, NEW_TOKENS) == expected
+
+
+def test_fp8_experts_read_the_fp8_block_entry(hf_checkpoints, tmp_path, monkeypatch, caplog):
+    """FP8 experts (--moe-expert-dtype fp8): auto decides from the profile's fp8_block entry, not the dtype's;
+    without one it falls back to the dtype's entry and says so."""
+    ckpt = hf_checkpoints["qwen3_moe"]
+    cfg = EngineConfig(model=str(ckpt.dir), moe_expert_dtype="fp8", moe_backend="auto")
+    lm = load_model(cfg, attach_backend=False)
+    assert hybrid.profile_format(SimpleNamespace(dtype=lm.dtype, banks=lm.banks)) == ("fp8_block", "float32")
+    monkeypatch.setenv("TANDEM_PROFILES_DIR", str(tmp_path))
+    monkeypatch.setattr(auto, "gpu_uuid", lambda device: GPU)
+    slow_cpu = fp32_profile(cpu_ov=2.0, pcie_ov=50.0)  # the float32 entry says offload ...
+    fp8 = P.KernelBandwidths(cpu_executor_bs1=200.0, pcie_gather=20.0)  # ... the fp8_block entry hybrid
+    P.write_profile(slow_cpu.model_copy(update={
+        "kernels": {**slow_cpu.kernels, "fp8_block": fp8},
+        "concurrent": {**slow_cpu.concurrent, "fp8_block": P.Concurrent(pcie_ov=20.0, cpu_ov=200.0)}}), tmp_path)
+    backend = build_backend(lm, EngineConfig(model=str(ckpt.dir), moe_expert_dtype="fp8", moe_backend="auto",
+                                             moe_cache_size=lm.spec.num_experts))
+    assert isinstance(backend.inner, HybridBackend)
+    assert backend.stats()["auto"]["fetch_fraction"] == pytest.approx(20.0 / 220.0)
+
+    P.write_profile(fp32_profile(cpu_ov=200.0, pcie_ov=20.0), tmp_path)  # no fp8_block entry
+    with caplog.at_level(logging.WARNING):
+        result = backend.reload_profile()
+    assert result["auto"]["chosen"] == "hybrid"
+    assert "no 'fp8_block' entry" in caplog.text and "'float32' rates instead" in caplog.text
 
 
 @pytest.mark.parametrize("faster, rebuilds", [("offload", 1), ("hybrid", 2)])
