@@ -129,14 +129,18 @@ def test_mismatched_mxfp4_scales_are_refused():
         moe_gemv(hidden, ids, weights, gate_up, down, gs, ds, act=ACT, bias=(bias[0][:, :8], bias[1]))
 
 
-@pytest.mark.parametrize("T", [1, 40])  # the decode path and a short prefill (R = 80 > GATHER_MAX_ROUTES)
-def test_decode_kernel_runs_gpt_oss_experts_on_the_gemv(T):
-    """resident's DecodeKernel hands the clamped SwiGLU and the biases to the Triton GEMV (no torch fallback)."""
+@pytest.mark.parametrize("mx", [False, True])
+@pytest.mark.parametrize("T", [1, 40])  # the GEMV (R = 2) and the grouped GEMM (R = 80 > GEMV_MAX_ROUTES)
+def test_decode_kernel_runs_gpt_oss_experts_on_the_triton_kernels(T, mx):
+    """resident's DecodeKernel hands the clamped SwiGLU, the biases and MXFP4 banks to the Triton kernels (no
+    torch fallback)."""
+    from services.engine.moe.banks import ExpertFormat
     from services.engine.moe.resident import DecodeKernel
 
-    hidden, ids, weights, banks, bias = case(T, 2, 8, 64, 32, seed=5, device=kernel_device(), mx=False)
+    hidden, ids, weights, banks, bias = case(T, 2, 8, 64, 32, seed=5, device=kernel_device(), mx=mx)
     kernel = DecodeKernel("triton")
-    got = kernel(hidden, ids, weights, *banks, ACT, bias)
+    fmt = ExpertFormat.MXFP4 if mx else ExpertFormat.UNQUANTIZED
+    got = kernel(hidden, ids, weights, banks[0], banks[1], ACT, bias, *banks[2:], fmt=fmt)
     assert kernel.kind == "triton"
     assert_close(got, reference(hidden, ids, weights, banks, bias), atol=1e-5)
 
