@@ -12,7 +12,8 @@ top-k of E uniformly at random per token (the synthetic models' routers); every 
 moe_reference in fp32 first (fp8: on the dequantized experts). ``--sweep`` times every candidate launch
 config of the GEMM per size and prints the best: what goes into kernels/moe_gemm.CONFIGS for a device.
 
-    python -m benchmarks.bench_moe_gemm [--tokens 1,4,8,16,32,64,256] [--fp8 | --mxfp4] [--gpt-oss] [--sweep] [--json out.json]
+    python -m benchmarks.bench_moe_gemm [--tokens 1,4,8,16,32,64,256] [--fp8 | --mxfp4] [--gpt-oss] [--sweep]
+        [--json out.json]
 
     # gpt-oss-120b's layer: MXFP4 experts, biases and the clamped SwiGLU, top-4 of 128
     python -m benchmarks.bench_moe_gemm --mxfp4 --gpt-oss --experts 128 --top-k 4 --hidden 2880 --inter 2880

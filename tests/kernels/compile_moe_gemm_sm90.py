@@ -1,8 +1,8 @@
 """Compile kernels/moe_gemm.py's kernels for sm_90 with the Triton wheel's own ptxas, no GPU needed: bf16,
 fp8_block and mxfp4 weights, silu and gpt-oss (biases, clamped SwiGLU), every launch config of the default
 table; and kernels/moe_gemv.py's in the same formats. What the interpreter lets through but the compiler
-rejects (a dot on a shape or dtype the tensor cores lack, a constexpr passed the wrong way) fails here. Run by test_compile_sm90.py in a process of its own (TRITON_INTERPRET unset);
-prints one line per compiled kernel."""
+rejects (a dot on a shape or dtype the tensor cores lack, a constexpr passed the wrong way) fails here. Run
+by test_compile_sm90.py in a process of its own (TRITON_INTERPRET unset); prints one line per compiled kernel."""
 
 import inspect
 import os
@@ -71,8 +71,8 @@ def main() -> None:
                                 {"BLOCK_I": gv.BLOCK_I, "BLOCK_K": gv.BLOCK_K1, "QUANT": quant, "SB": gv.SCALE_BLOCK,
                                  "BIAS": gpt_oss, "CLAMP": gpt_oss}, 4, 3)
             n2 = compile_kernel(gv._down_kernel,
-                                {"act_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32", "down_ptr": w, "y_ptr": "*fp32",
-                                 "ds_ptr": s, "db_ptr": "*bf16"},
+                                {"act_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32", "down_ptr": w,
+                                 "y_ptr": "*fp32", "ds_ptr": s, "db_ptr": "*bf16"},
                                 {"BLOCK_D": gv.BLOCK_D, "BLOCK_K": gv.BLOCK_K2, "QUANT": quant, "SB": gv.SCALE_BLOCK,
                                  "BIAS": gpt_oss}, 4, 3)
             print(f"gemv quant={quant} gpt_oss={gpt_oss}: {n1} {n2} bytes")
