@@ -9,7 +9,9 @@ One call for one layer (decode: no chunks — every miss is either fetched or co
      fraction (no host round trip, graph-capturable): lo = floor(M·f), F = lo or lo+1, whichever has the
      smaller max(F·(1-f), (M-F)·f); then F = min(F, max_fetch) if max_fetch >= 0 and F <= S - hits
      (free slots). The fetched misses are the F with the *lowest expert ids* (deterministic), or with
-     ``lfu`` (--moe-cache-policy lfu) the F routed to most often so far (``uses``; ties to the lower id).
+     ``lfu`` (--moe-cache-policy lfu) the F routed to most often so far (``uses``; ties to the lower id);
+     with ``prefer`` (a peer tier's table ``[L*E]``, >= 0 where a peer GPU holds the expert: docs/multi-gpu.md)
+     the misses it names come first, so the fetched ones are peer copies before host copies.
      Every present expert then counts one use. Outputs:
      ``gpu_ids`` = topk_ids with the CPU's routes set to -1, ``cpu_ids`` = the CPU's expert ids, else -1;
      the layer's ``misses`` counter gets the unfetched M-F (so misses counts all M, uncapped);
@@ -50,8 +52,8 @@ def _check_split(state: CacheState, layer: int, topk_ids: torch.Tensor, f_q16: t
 
 
 def split_misses_reference(state: CacheState, layer: int, topk_ids: torch.Tensor, f_q16: torch.Tensor,
-                           max_fetch: int = -1, lfu: bool = False,
-                           use_cap: int = USE_CAP) -> tuple[torch.Tensor, torch.Tensor]:
+                           max_fetch: int = -1, lfu: bool = False, use_cap: int = USE_CAP,
+                           prefer: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 1 of the module docstring: topk_ids [T, A] -> (gpu_ids [T, A], cpu_ids [T, A]) int64;
     adds the unfetched misses to ``state.misses[layer]``."""
     _check_split(state, layer, topk_ids, f_q16, use_cap)
@@ -68,8 +70,12 @@ def split_misses_reference(state: CacheState, layer: int, topk_ids: torch.Tensor
     F = min(F, M, S - n_hit)
     if max_fetch >= 0:
         F = min(F, max_fetch)
-    if lfu:  # [E] rank among misses: the most used, then the lowest id, first
-        order = (USE_CAP - state.uses[layer * E: (layer + 1) * E].long()) * E + torch.arange(E, device=ids.device)
+    if lfu or prefer is not None:  # [E] rank among misses: preferred, the most used (lfu), the lowest id first
+        order = torch.arange(E, device=ids.device)
+        if lfu:
+            order = order + (USE_CAP - state.uses[layer * E: (layer + 1) * E].long()) * E
+        if prefer is not None:
+            order = order + (prefer[layer * E: (layer + 1) * E] < 0).long() * ((USE_CAP + 1) * E)
         miss_rank = ((order[None, :] < order[:, None]) & miss[None, :]).sum(1)
     else:  # [E] rank among misses: ascending id
         missed = miss.long()
@@ -85,10 +91,10 @@ def split_misses_reference(state: CacheState, layer: int, topk_ids: torch.Tensor
 
 
 def ensure_experts_hybrid_reference(state: CacheState, layer: int, topk_ids: torch.Tensor, f_q16: torch.Tensor,
-                                    max_fetch: int = -1, lfu: bool = False,
-                                    use_cap: int = USE_CAP) -> tuple[torch.Tensor, torch.Tensor]:
+                                    max_fetch: int = -1, lfu: bool = False, use_cap: int = USE_CAP,
+                                    prefer: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch twin of :func:`ensure_experts_hybrid` (same arguments, same results bit for bit)."""
-    gpu_ids, cpu_ids = split_misses_reference(state, layer, topk_ids, f_q16, max_fetch, lfu, use_cap)
+    gpu_ids, cpu_ids = split_misses_reference(state, layer, topk_ids, f_q16, max_fetch, lfu, use_cap, prefer)
     slot_ids = torch.empty(topk_ids.shape, dtype=torch.int64, device=topk_ids.device)
     ensure_experts_reference(state, layer, gpu_ids, slot_ids, lfu=lfu, count_uses=False, use_cap=use_cap)
     return slot_ids, cpu_ids
@@ -112,13 +118,14 @@ def _split_kernel():
     @triton.jit
     def _split_misses_kernel(
         # cache tables (read) and counters (accumulated)
-        slot_of_id_ptr, misses_ptr, work_ptr, uses_ptr,
+        slot_of_id_ptr, misses_ptr, work_ptr, uses_ptr, prefer_ptr,
         # this call: routes in, the two route sets out, the Q16 fraction
         topk_ids_ptr, gpu_ids_ptr, cpu_ids_ptr, f_q16_ptr,
         # sizes
         layer, N, E, S, max_fetch, n_uses,
         # meta-parameters
         BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, LFU: tl.constexpr, USE_CAP: tl.constexpr,
+        PREFER: tl.constexpr,
     ):
         base = layer * E
         e_idx = tl.arange(0, BLOCK_E)
@@ -137,9 +144,14 @@ def _split_kernel():
         F = tl.where(cost_lo <= cost_hi, lo, lo + 1)
         F = tl.minimum(tl.minimum(F, M), S - n_hit)
         F = tl.where(max_fetch >= 0, tl.minimum(F, max_fetch), F)
-        if LFU:  # rank among misses: the most used, then the lowest id, first
-            used = tl.load(uses_ptr + base + e_idx, mask=e_mask, other=0).to(tl.int64)
-            order = (USE_CAP - used) * E + e_idx
+        if LFU or PREFER:  # rank among misses: preferred, the most used (lfu), the lowest id first
+            order = e_idx.to(tl.int64)
+            if LFU:
+                used = tl.load(uses_ptr + base + e_idx, mask=e_mask, other=0).to(tl.int64)
+                order += (USE_CAP - used) * E
+            if PREFER:
+                peer = tl.load(prefer_ptr + base + e_idx, mask=e_mask, other=-1)
+                order += tl.where(peer < 0, (USE_CAP + 1) * E, 0).to(tl.int64)
             before = (order[None, :] < order[:, None]) & miss[None, :]  # [BLOCK_E, BLOCK_E]
             miss_rank = tl.sum(before.to(tl.int32), axis=1)
         else:  # rank among misses: ascending id
@@ -163,12 +175,13 @@ def _split_kernel():
 
 
 def ensure_experts_hybrid(state: CacheState, layer: int, topk_ids: torch.Tensor, f_q16: torch.Tensor,
-                          max_fetch: int = -1, lfu: bool = False,
-                          use_cap: int = USE_CAP) -> tuple[torch.Tensor, torch.Tensor]:
+                          max_fetch: int = -1, lfu: bool = False, use_cap: int = USE_CAP,
+                          prefer: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher. topk_ids [T, A] expert ids of ``layer`` (-1 = skip) · f_q16 [1] int32 on the device
     (Q16 fetch fraction) · max_fetch (-1 = no cap, 0 = every miss on the CPU) -> (slot_ids [T, A] int64: the
     GPU slot of each hit/fetched route else -1, cpu_ids [T, A] int64: the expert of each CPU route else
-    -1). ``state`` is updated in place; the copy jobs are those of the fetched misses."""
+    -1). ``state`` is updated in place; the copy jobs are those of the fetched misses. ``prefer``: [L*E] int32
+    on the device, misses with an entry >= 0 fetched first (a peer tier's table)."""
     from kernels.ensure_experts import ensure_experts
 
     _check_split(state, layer, topk_ids, f_q16, use_cap)
@@ -181,11 +194,12 @@ def ensure_experts_hybrid(state: CacheState, layer: int, topk_ids: torch.Tensor,
     from kernels.cpu_handoff import host_arg
 
     kernel[(1,)](
-        state.slot_of_id, state.misses, state.work, state.uses,
+        state.slot_of_id, state.misses, state.work, state.uses, state.uses if prefer is None else prefer,
         ids, gpu_ids, cpu_ids, host_arg(kernel, f_q16) if f_q16.device != ids.device else f_q16,
         layer, N, E, state.num_slots, max_fetch, state.uses.numel(),
         BLOCK_N=min(1024, triton.next_power_of_2(N)), BLOCK_E=triton.next_power_of_2(E), LFU=lfu,
         USE_CAP=use_cap,  # the miss ranking only needs it above every count, which it is
+        PREFER=prefer is not None,
     )
     slot_ids = torch.empty((T, A), dtype=torch.int64, device=ids.device)
     ensure_experts(state, layer, gpu_ids, slot_ids, lfu=lfu, count_uses=False, use_cap=use_cap)

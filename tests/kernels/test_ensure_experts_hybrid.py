@@ -156,3 +156,31 @@ def test_the_split_halves_every_layers_counts_at_the_cap(cap, device):
     assert all(torch.equal(g.cpu(), w.cpu()) for g, w in zip(got, want))
     assert_same(state, ref)
     assert ref.uses.tolist() == [2, cap // 2, 0, 4, 1, 0]
+
+
+@pytest.mark.parametrize("lfu", [False, True], ids=["lru", "lfu"])
+@pytest.mark.parametrize("L,E,S,T,A,cached", CASES)
+def test_preferred_misses_are_fetched_first(L, E, S, T, A, cached, lfu, device):
+    """``prefer`` (a peer tier's table): of the misses, those it names are fetched before any other; kernel ==
+    reference bit for bit as the state evolves."""
+    gen = torch.Generator().manual_seed(L * 7 + E + S)
+    state = random_state(L, E, S, cached, device, gen)
+    ref = state.clone()
+    prefer = torch.where(torch.rand(L * E, generator=gen) < 0.4, 0, -1).int().to(device)  # [L*E]
+    for step in range(5):
+        layer = int(torch.randint(0, L, (1,), generator=gen))
+        ids = routes(T, min(A, E), E, gen, device)
+        f = q16(FRACTIONS[(step + E) % len(FRACTIONS)], device)
+        before = ref.slot_of_id[layer * E: (layer + 1) * E].clone()
+        got = ensure_experts_hybrid(state, layer, ids, f, lfu=lfu, prefer=prefer)
+        want = ensure_experts_hybrid_reference(ref, layer, ids, f, lfu=lfu, prefer=prefer)
+        assert all(torch.equal(g.cpu(), w.cpu()) for g, w in zip(got, want)), f"step {step}"
+        assert_same(state, ref)
+        present = {e for e in ids.flatten().tolist() if e >= 0}
+        misses = {e for e in present if int(before[e]) < 0}
+        on_cpu = {e for e in want[1].flatten().tolist() if e >= 0}
+        fetched = misses - on_cpu
+        preferred = {e for e in misses if int(prefer[layer * E + e]) >= 0}
+        # a non-preferred miss is fetched only when every preferred one is
+        assert not (fetched - preferred) or preferred <= fetched, f"step {step}"
+    assert_consistent(ref)

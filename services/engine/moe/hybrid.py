@@ -364,8 +364,9 @@ class HybridBackend:
             from kernels.ensure_experts_hybrid import ensure_experts_hybrid as ensure
         else:
             from kernels.ensure_experts_hybrid import ensure_experts_hybrid_reference as ensure
+        peer = self.cache.peer  # --moe-peer-devices: the misses a peer GPU holds are fetched first
         return ensure(self.cache.state, layer, topk_ids, self.buckets.f_view(bucket), self.max_fetch, lfu=self.cache.lfu,
-                      use_cap=self.cache.use_cap)
+                      use_cap=self.cache.use_cap, prefer=peer.peer_slot_of_id if peer is not None else None)
 
     def _mark(self, layer: int, which: int):
         """A fetch-time mark: a CUDA event on the stream (read when the step is closed, no sync) or a host

@@ -12,7 +12,8 @@ host banks) when the peer link would finish last; with NVLink (p2p ~ 10x PCIe) t
 nearly every miss is on the peer.
 
 On the device the split kernel reads one fraction f = (P + H) / M: the share of misses fetched (peer or
-host), the rest on the CPU; the fused copy then takes each fetched expert from the peer when it is there.
+host), the rest on the CPU; it fetches the peer-held misses first (kernels/ensure_experts_hybrid.py,
+``prefer``), and the fused copy takes each fetched expert from the peer when it is there.
 ``PeerSplitController`` is the cost-model stage of services/engine/moe/split.py with this model: it counts
 the share of fetched misses that came from a peer (from the tier's counters at each placement refresh)
 and reads the PCIe rate off the host part of the copies. The tuner that follows times f on step time, as
