@@ -223,7 +223,7 @@ def test_cuda_with_peer_equals_resident(kind, peers, hf_checkpoints):
 
 
 @pytest.mark.gpu
-def test_real_second_gpu_is_refused_without_p2p_or_absent():
+def test_an_absent_peer_gpu_is_refused():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from services.engine.moe.peer_cache import make_peer_tier
