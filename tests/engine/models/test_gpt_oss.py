@@ -227,3 +227,74 @@ def test_cuda_decode_and_its_graph_equal_transformers(backend, hf_checkpoints):
     finally:
         getattr(lm.backend, "close", lambda: None)()
     assert moe_decode.kind == "triton" and not fused._broken, f"fell back to torch: {fused._broken}"
+
+
+def test_mxfp4_experts_load_as_they_are(hf_checkpoints, loaded):
+    """The Hub's MXFP4 bytes land in mxfp4 banks unchanged, gate/up rows de-interleaved (scales with their
+    rows): dequantized, every expert equals transformers' own dequantized parameters exactly, and the
+    banks hold 4.25 bits per weight."""
+    from services.engine.moe.banks import ExpertFormat
+
+    c, lm = hf_checkpoints["gpt_oss"], loaded["gpt_oss"]
+    for ordinal, layer in enumerate(lm.spec.moe_layer_ids):
+        lb = lm.banks.layers[ordinal]
+        assert lb.format is ExpertFormat.MXFP4 and lb.tensors["gate_up"].dtype == torch.uint8
+        gate_up, down = mxfp4.dense_experts(lb.tensors["gate_up"], lb.tensors["down"], lb.tensors["gate_up_scale"],
+                                            lb.tensors["down_scale"], torch.float32)
+        hf = c.hf.model.layers[layer].mlp.experts
+        ref_gu = hf.gate_up_proj.detach().transpose(1, 2)  # [E, 2I, D], rows gate0, up0, gate1, ...
+        assert torch.equal(gate_up, torch.cat([ref_gu[:, 0::2], ref_gu[:, 1::2]], dim=1))
+        assert torch.equal(down, hf.down_proj.detach().transpose(1, 2))
+    D, I = lm.spec.hidden_size, lm.spec.moe_intermediate_size
+    assert lm.banks.layers[0].expert_nbytes() == 3 * D * I // 2 + 3 * D * I // 32 + 4 * (2 * I + D)
+
+
+def test_expert_dtype_dtype_dequantizes_at_load(hf_checkpoints):
+    """--moe-expert-dtype dtype: the same checkpoint's experts as plain fp32 banks (7.5x MXFP4's bytes
+    here), equal to the mxfp4 banks dequantized; greedy tokens still transformers'."""
+    from services.engine.models.registry import load_model
+    from services.engine.moe.banks import ExpertFormat
+
+    c = hf_checkpoints["gpt_oss"]
+    lm = load_model(EngineConfig(model=str(c.dir), moe_expert_dtype="dtype"))
+    native = load_model(EngineConfig(model=str(c.dir)), attach_backend=False)
+    lb, nb = lm.banks.layers[1], native.banks.layers[1]
+    assert lb.format is ExpertFormat.UNQUANTIZED and lb.tensors["gate_up"].dtype == torch.float32
+    dense = mxfp4.dense_experts(nb.tensors["gate_up"], nb.tensors["down"], nb.tensors["gate_up_scale"],
+                                nb.tensors["down_scale"], torch.float32)
+    assert torch.equal(lb.tensors["gate_up"], dense[0]) and torch.equal(lb.tensors["down"], dense[1])
+    assert torch.equal(lb.tensors["gate_up_bias"], nb.tensors["gate_up_bias"])
+    assert greedy_generate(lm, PROMPT, 12) == hf_greedy(c.hf, PROMPT, 12)
+
+
+def test_fp8_of_mxfp4_experts_is_refused(hf_checkpoints):
+    from services.engine.models.errors import LoaderError
+    from services.engine.models.registry import load_model
+
+    with pytest.raises(LoaderError, match="--moe-expert-dtype fp8"):
+        load_model(EngineConfig(model=str(hf_checkpoints["gpt_oss"].dir), moe_expert_dtype="fp8"))
+
+
+@pytest.mark.parametrize("expert_dtype, bits", [("checkpoint", 4.25), ("dtype", 32)])
+def test_preflight_and_cache_count_mxfp4_bytes(expert_dtype, bits, hf_checkpoints):
+    """The fail-fast memory check and the offload cache count what the banks hold: MXFP4's 4.25 bits per
+    weight (17/4 bytes per 8 weights) natively, fp32 when dequantized at load."""
+    from services.engine.models.loader import read_spec
+    from services.engine.models.registry import load_model
+    from services.engine.moe.sizing import fmt_bytes
+    from services.engine.preflight import check_fits
+
+    c = hf_checkpoints["gpt_oss"]
+    spec = read_spec(c.dir)
+    config = EngineConfig(model=str(c.dir), moe_expert_dtype=expert_dtype, moe_backend="offload", moe_cache_size=4)
+    per_expert = int(3 * spec.hidden_size * spec.moe_intermediate_size * bits / 8)
+    held = spec.num_moe_layers * spec.num_experts * per_expert
+    loading = spec.num_moe_layers * spec.num_experts * int(3 * spec.hidden_size * spec.moe_intermediate_size * 4.25 / 8)
+    with pytest.raises(ValueError) as err:
+        check_fits(spec, config, torch.device("cpu"), host_available=1)
+    assert f"experts {fmt_bytes(max(held, loading))}" in str(err.value)
+    lm = load_model(config)
+    bias = 4 * (2 * spec.moe_intermediate_size + spec.hidden_size)  # fp32 bias banks travel with each expert
+    assert lm.backend.cache.expert_nbytes == per_expert + bias
+    assert all(t.dtype == (torch.uint8 if bits < 8 else torch.float32) for name, t in
+               lm.backend.cache.slot_banks.items() if not name.endswith("_bias"))

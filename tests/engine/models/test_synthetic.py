@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -88,6 +90,36 @@ def test_gpt_oss_builds_with_bias_banks(monkeypatch):
     assert lm.banks.activation.limit == 7.0 and not lm.banks.plain_swiglu
     assert 0.1 < lm.model.model.layers[0].mlp.router.weight.std().item() < 0.15  # 1/sqrt(64)
     assert len(greedy_generate(lm, [1, 2, 3, 4, 5, 6], 6)) == 6
+
+
+def test_gpt_oss_presets_build_mxfp4_experts(monkeypatch):
+    """gpt-oss presets hold MXFP4 experts like the Hub's (what offload / hybrid benchmarks then move and the
+    CPU reads): N(0, std) values quantized per 32, so dequantized they keep the init's scale; the real
+    presets' size check counts 4.25 bits per weight; --moe-expert-dtype dtype gives the plain banks."""
+    from services.engine.models import mxfp4, synthetic
+    from services.engine.moe.banks import ExpertFormat, expert_nbytes
+    from services.engine.moe.sizing import fmt_bytes
+    from services.engine.preflight import check_fits
+
+    small = dict(synthetic.PRESETS["gpt-oss-20b"], num_hidden_layers=2, num_local_experts=8, hidden_size=128,
+                 intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=None,
+                 sliding_window=4)
+    monkeypatch.setitem(synthetic.PRESETS, "gpt-oss-small", small)
+    lm = load_model(EngineConfig(model="synthetic:gpt-oss-small"))
+    t = lm.banks.layers[0].tensors
+    assert lm.banks.layers[0].format is ExpertFormat.MXFP4 and t["gate_up"].shape == (8, 128, 64)
+    gate_up = mxfp4.dequantize_rows(t["gate_up"], t["gate_up_scale"])
+    down = mxfp4.dequantize_rows(t["down"], t["down_scale"])
+    assert 0.017 < gate_up.std().item() < 0.023
+    assert 0.0085 < down.std().item() < 0.0115  # 0.02 / sqrt(2 * 2)
+    plain = load_model(EngineConfig(model="synthetic:gpt-oss-small", moe_expert_dtype="dtype"))
+    assert plain.banks.layers[0].format is ExpertFormat.UNQUANTIZED
+    spec = synthetic_spec("synthetic:gpt-oss-120b", tokenizer_vocab=0)
+    mx = 36 * 128 * 3 * 2880 * 2880 * 17 // 32  # ~61 GB of MXFP4, not ~229 GB of bf16
+    with pytest.raises(ValueError, match=re.escape(f"experts {fmt_bytes(mx)}")):
+        check_fits(spec, EngineConfig(model="synthetic:gpt-oss-120b", dtype="bfloat16", moe_backend="hybrid"),
+                   torch.device("cpu"), host_available=1)
+    assert expert_nbytes(ExpertFormat.MXFP4, 2880, 2880, torch.bfloat16) == 3 * 2880 * 2880 * 17 // 32
 
 
 @pytest.mark.parametrize("model, match", [
