@@ -93,6 +93,9 @@ def dense_experts(gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale: torc
     cast. Works on one expert ([2I, D], [D, I]) or a stack ([n, 2I, D], [n, D, I])."""
     if gate_up_scale is None:
         return gate_up.to(dtype), down.to(dtype)
+    if gate_up.dtype != FP8_DTYPE or gate_up_scale.dtype != torch.float32:  # e.g. mxfp4's uint8 + E8M0 bytes
+        raise ValueError(f"fp8 experts are float8_e4m3fn with fp32 block scales, got {gate_up.dtype} with "
+                         f"{gate_up_scale.dtype} scales (other formats: services/engine/moe/dequant.py)")
     return dequantize_gate_up(gate_up, gate_up_scale, dtype), dequantize(down, down_scale, dtype)
 
 

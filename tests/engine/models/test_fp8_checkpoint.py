@@ -188,3 +188,18 @@ def test_cuda_backends_equal_transformers(backend, fp8_ckpt):
     assert lm.backend.stats().get("decode_kernel", "triton") == "triton"  # no silent fallback to torch
     if backend == "resident":
         assert graph_greedy(lm, "resident", PROMPT, NEW_TOKENS) == want
+
+
+def test_expert_dtype_dtype_dequantizes_fp8_experts(fp8_ckpt):
+    """--moe-expert-dtype dtype on an FP8 checkpoint: plain fp32 banks, each expert its FP8 weight times its
+    block scales, and transformers' greedy tokens."""
+    from services.engine.moe.fp8 import dequantize, dequantize_gate_up
+
+    d, _, want = fp8_ckpt
+    lm = load_model(EngineConfig(model=str(d), moe_expert_dtype="dtype"))
+    native = load_model(EngineConfig(model=str(d)), attach_backend=False)
+    lb, nb = lm.banks.layers[0], native.banks.layers[0].tensors
+    assert lb.format is ExpertFormat.UNQUANTIZED and set(lb.tensors) == {"gate_up", "down"}
+    assert torch.equal(lb.tensors["gate_up"], dequantize_gate_up(nb["gate_up"], nb["gate_up_scale"]))
+    assert torch.equal(lb.tensors["down"], dequantize(nb["down"], nb["down_scale"]))
+    assert greedy_generate(lm, PROMPT, NEW_TOKENS) == want
