@@ -289,9 +289,10 @@ class Executor {
     // bf16 inputs to the dpbf16 kernels: bf16 weights always (where the CPU has the kernel); FP8 weights when
     // the model computes in bf16 (hidden arrives in bf16, so only the SwiGLU output is rounded, as the
     // GPU's bf16 path rounds it). An fp32 model's FP8 experts keep the fp32-input kernel: exact products.
-    // MXFP4 always takes fp32 inputs (pair-split, gemv.h).
+    // MXFP4 likewise: bf16 inputs quad-split for a bf16 model, fp32 pair-split otherwise (gemv.h).
     j.bf16_inputs = j.wdt == WDtype::BF16 ? k_.bf16_wants_bf16_x
-               : j.wdt == WDtype::FP8 && hidden.scalar_type() == torch::kBFloat16 && k_.gemv_fp8_bx != nullptr;
+               : j.wdt == WDtype::FP8 ? hidden.scalar_type() == torch::kBFloat16 && k_.gemv_fp8_bx != nullptr
+               : j.wdt == WDtype::MXFP4 && hidden.scalar_type() == torch::kBFloat16 && k_.gemv_mxfp4_bx != nullptr;
     const auto math = expert_math_.find(gate_up.data_ptr());
     j.gate_up_bias = math == expert_math_.end() ? nullptr : math->second.first;
     j.down_bias = math == expert_math_.end() ? nullptr : math->second.second;
@@ -744,12 +745,17 @@ class Executor {
     }
     j.G = G; j.R = R;
     // inputs (none to convert without routes): bf16 as is for the dpbf16 kernel, else fp32
-    if (R > 0 && bf16_x() && j.hidden.scalar_type() == torch::kBFloat16) {
+    if (R > 0 && bf16_x() && j.hidden.scalar_type() == torch::kBFloat16 && j.wdt != WDtype::MXFP4) {
       std::memcpy(j.x_bf16.data(), j.hidden.data_ptr(), (size_t)T * D * sizeof(uint16_t));
     } else if (R > 0) {
       to_f32(j.hidden, (int64_t)T * D, j.x_f32.data());
-      if (j.wdt == WDtype::MXFP4) pair_split(j.x_f32.data(), T, D);
-      if (bf16_x()) for (int64_t i = 0; i < (int64_t)T * D; ++i) j.x_bf16[i] = f32_to_bf16(j.x_f32[i]);
+      if (j.wdt == WDtype::MXFP4 && bf16_x()) {  // the bf16-input kernel's quad-split rows (gemv.h)
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t i = 0; i < D; ++i) j.x_bf16[t * D + mxfp4_bx_pos(i, D)] = f32_to_bf16(j.x_f32[t * D + i]);
+      } else {
+        if (j.wdt == WDtype::MXFP4) pair_split(j.x_f32.data(), T, D);
+        if (bf16_x()) for (int64_t i = 0; i < (int64_t)T * D; ++i) j.x_bf16[i] = f32_to_bf16(j.x_f32[i]);
+      }
     }
     float* out = j.out.data_ptr<float>();
     for (int r = 0; r < R; ++r) {
@@ -765,7 +771,7 @@ class Executor {
   }
 
   GemvFn gemv() const {
-    if (job_.wdt == WDtype::MXFP4) return k_.gemv_mxfp4;
+    if (job_.wdt == WDtype::MXFP4) return job_.bf16_inputs ? k_.gemv_mxfp4_bx : k_.gemv_mxfp4;
     if (job_.wdt == WDtype::FP8) return job_.bf16_inputs ? k_.gemv_fp8_bx : k_.gemv_fp8;
     return job_.wdt == WDtype::BF16 ? k_.gemv_bf16 : k_.gemv_f32;
   }
@@ -880,8 +886,9 @@ class Executor {
           } else {
             v = gv / (1.f + std::exp(-gv)) * uv;  // silu(gate) * up
           }
-          if (bf16_x()) j.act_bf16[(size_t)(r0 + t) * I + i] = f32_to_bf16(v);
-          else j.act_f32[(size_t)(r0 + t) * I + (mxs ? mxfp4_x_pos(i) : i)] = v;  // mxfp4: the down GEMV's layout
+          // mxfp4: in the down GEMV's layout
+          if (bf16_x()) j.act_bf16[(size_t)(r0 + t) * I + (mxs ? mxfp4_bx_pos(i, I) : i)] = f32_to_bf16(v);
+          else j.act_f32[(size_t)(r0 + t) * I + (mxs ? mxfp4_x_pos(i) : i)] = v;
         }
       }
       u += i1 - i0;
