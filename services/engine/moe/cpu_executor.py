@@ -212,8 +212,9 @@ class CpuExecutor:
 
     ``submit(hidden [T, D], ids [T, A], weights [T, A], layer)`` returns at once; ``wait()`` returns
     ``out [T, D]`` fp32 = sum over routes with id >= 0 of weight * SwiGLU expert(hidden[t]). Banks are
-    read in place (bf16, fp32, or fp8_block: e4m3 weights widened in registers, one fp32 scale per 128x128
-    block applied to each block's partial sum). One job in flight at a time.
+    read in place (bf16, fp32, fp8_block: e4m3 weights widened in registers, one fp32 scale per 128x128
+    block applied to each block's partial sum, or mxfp4: e2m1 nibbles decoded through a table, one E8M0
+    scale per 32 values; biases and the clamped SwiGLU for gpt-oss). One job in flight at a time.
     """
 
     SPIN_US_SPARE_CORE = 5000  # a decode layer's gap between CPU jobs is ~0.1-1 ms: spin through it
