@@ -57,7 +57,7 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # nearest magnitude, a tie to the smaller one: the index of the first midpoint >= |q| (no [..., 8]
     # temporary: the synthetic gpt-oss-120b quantizes 115 G values through this)
     mids = torch.tensor(_MIDPOINTS, device=w.device)
-    idx = torch.bucketize(q.abs().contiguous(), mids)  # [..., G, 32] in 0..7
+    idx = torch.bucketize(q.abs().contiguous(), mids, out_int32=True)  # [..., G, 32] in 0..7
     nibble = (idx | torch.where(q < 0, 8, 0)).to(torch.uint8)
     blocks = nibble[..., 0::2] | (nibble[..., 1::2] << 4)
     return blocks.contiguous(), (exp + SCALE_BIAS).to(torch.uint8)
