@@ -55,7 +55,7 @@ def test_predictor_is_the_next_router_on_the_same_stream(hf_checkpoints, loaded)
 
 
 @pytest.mark.parametrize("kind", [MoEBackend.OFFLOAD, MoEBackend.HYBRID])
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "gpt_oss"])  # gpt_oss: MXFP4 + bias banks copied ahead
 def test_greedy_equals_resident_with_prefetch(arch, kind, hf_checkpoints, loaded):
     lm = loaded[arch]
     with tokens_against_resident(lm, str(hf_checkpoints[arch].dir), PROMPT, NEW_TOKENS, moe_backend=kind.value,
@@ -146,10 +146,11 @@ def test_prefetch_off_and_why(hf_checkpoints, loaded, caplog):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", [MoEBackend.OFFLOAD, MoEBackend.HYBRID])
-def test_cuda_graph_decode_with_prefetch_equals_resident(kind, hf_checkpoints):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])  # gpt_oss: the fused copy of MXFP4 and bias banks
+def test_cuda_graph_decode_with_prefetch_equals_resident(kind, arch, hf_checkpoints):
     """The real data path: the side stream forked and joined inside the runner's captured decode graph,
     Triton pick/ensure, the fused copy from pinned banks; replayed greedy tokens == resident's."""
-    d = str(hf_checkpoints["qwen3_moe"].dir)
+    d = str(hf_checkpoints[arch].dir)
     lm, want = on_cuda_with_resident_tokens(d, PROMPT, NEW_TOKENS)
     A = lm.spec.top_k
     backend = build_backend(lm, EngineConfig(model=d, device="cuda", moe_backend=kind.value, moe_cache_size=2 * A + 2,
