@@ -41,7 +41,12 @@ def checkpoint_format(cfg: dict, source: str) -> ExpertFormat:
         raise refuse(f"of type {type(qc).__name__}")
     method = qc.get("quant_method")
     if (cfg.get("model_type"), method) in ARCHITECTURE_FORMATS:
-        return ARCHITECTURE_FORMATS[cfg.get("model_type"), method]
+        fmt = ARCHITECTURE_FORMATS[cfg.get("model_type"), method]
+        D, I = cfg.get("hidden_size", 0), cfg.get("intermediate_size", 0)
+        if fmt is ExpertFormat.MXFP4 and (D % 32 or I % 32):
+            raise LoaderError(f"{source}: MXFP4 experts need hidden_size ({D}) and intermediate_size ({I}) to be "
+                              "multiples of 32 (one E8M0 scale per 32 values)")
+        return fmt
     if method != "fp8":
         raise refuse(f"quant_method {method!r}")
     if qc.get("fmt", "e4m3") != "e4m3":

@@ -330,3 +330,13 @@ def test_real_width_mxfp4_decode_step_matches_resident_on_cuda(backend):
     ref = last_logits()
     got = last_logits(moe_backend=backend, moe_cache_rate=0.1)
     assert (got - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
+
+
+def test_mxfp4_widths_not_multiple_of_32_are_refused():
+    from services.engine.models.errors import LoaderError
+    from services.engine.models.quant_config import checkpoint_format
+
+    cfg = {"model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2890,
+           "quantization_config": {"quant_method": "mxfp4"}}
+    with pytest.raises(LoaderError, match=r"config\.json: MXFP4 experts need .* intermediate_size \(2890\)"):
+        checkpoint_format(cfg, "config.json")
