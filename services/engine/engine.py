@@ -201,7 +201,7 @@ class Engine:
         self.loaded = load(cfg, progress=self._on_progress)
         self._info = build_info(self.loaded, cfg.max_seq_len, cfg.served_model_names)
         pages = self._info["moe"]["host_pages"]
-        if pages:
+        if pages and pages["bytes"]:  # none where the banks live on the device (resident synthetic)
             log.info("host banks: %.1f GB in %d mappings, %.1f GB of it in transparent huge pages (THP %s)",
                      pages["bytes"] / 1e9, pages["regions"], pages["huge_page_bytes"] / 1e9, pages["thp"])
         self.metrics = EngineMetrics(self.loaded.model_id)

@@ -68,4 +68,5 @@ def build_info(loaded, max_seq_len: int, served_model_names: list[str] = ()) -> 
             "moe": {"layers": len(loaded.banks.layers), "experts": loaded.spec.num_experts,
                     "top_k": loaded.spec.top_k, "expert_bytes": loaded.banks.expert_nbytes(),
                     # how the host banks are mapped (huge pages or not): a suspect for server-to-server spread
-                    "host_pages": host_page_report([t for lb in loaded.banks.layers for t in lb.tensors.values()])}}
+                    "host_pages": host_page_report([t for lb in loaded.banks.layers for t in lb.tensors.values()
+                                                    if t.device.type == "cpu"])}}

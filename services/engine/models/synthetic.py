@@ -40,6 +40,7 @@ lm_head N(0, 0.5) and decode echo its input: none does.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -65,6 +66,7 @@ PREFIX = "synthetic:"
 INIT_STD = 0.02  # Hugging Face's initializer_range: every matrix not named below, and the experts' gate_up
 EMBED_STD = 0.5  # token embeddings: the token stays visible in every layer's stream (docstring)
 ROUTER_LOGIT_STD = 1.0  # router N(0, ROUTER_LOGIT_STD / sqrt(D)): logits ~N(0, 1) on the normed input
+TOKENIZER_LAYOUT = 2  # the padded tokenizer's layout (its cache dir's suffix): 2 = padding in the BPE vocabulary
 RESIDUAL_SCALED = True  # GPT-2's scaled init: o_proj / down_proj / expert down std INIT_STD / sqrt(2 L)
 
 _GPT_OSS = dict(model_type="gpt_oss", num_experts_per_tok=4, hidden_size=2880, intermediate_size=2880,
@@ -227,21 +229,21 @@ def build_synthetic(model: str, tokenizer_vocab: int, device: torch.device, dtyp
 
 def tokenizer_dir(model: str) -> Path:
     """A directory with the demo tokenizer files (model_dir of every synthetic model). A preset whose
-    vocabulary is larger than the demo tokenizer's (qwen3-30b-a3b: 151936) gets the tokenizer padded with
-    plain added tokens ``<|sN|>`` up to that size, so every id the model samples decodes to text and the
-    client sees one SSE event per token (what the decode benchmark times)."""
+    vocabulary is larger than the demo tokenizer's (qwen3-30b-a3b: 151936) gets the tokenizer's BPE
+    vocabulary padded up to that size (``_pad_vocab``), so every id the model samples decodes to text and
+    the client sees one SSE event per token (what the decode benchmark times)."""
     from services.engine.models.demo import default_demo_dir, write_tokenizer_files
 
     name, overrides = parse_name(model)
     vocab_size = {**PRESETS[name], **overrides}.get("vocab_size")
-    d = default_demo_dir().parent / f"synthetic-tokenizer-{vocab_size or 'demo'}"
+    d = default_demo_dir().parent / f"synthetic-tokenizer-{vocab_size or 'demo'}-v{TOKENIZER_LAYOUT}"
     if (d / "generation_config.json").is_file():
         return d
     d.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".synthetic-tokenizer.tmp-", dir=d.parent))
     write_tokenizer_files(tmp)
     if vocab_size:
-        _pad_tokenizer(tmp / "tokenizer.json", vocab_size)
+        _pad_vocab(tmp / "tokenizer.json", vocab_size)
     try:
         os.rename(tmp, d)  # atomic; another process may have won the race
     except OSError:
@@ -249,10 +251,32 @@ def tokenizer_dir(model: str) -> Path:
     return d
 
 
-def _pad_tokenizer(path: Path, vocab_size: int) -> None:
-    from tokenizers import AddedToken, Tokenizer
+def pad_word(token_id: int) -> str:
+    """The padding token of ``token_id`` as it decodes: " zq" and the id in base 26 (letters only, so the
+    byte-level pre-tokenizer keeps it one word and the BPE finds it whole when the text comes back)."""
+    letters = ""
+    while True:
+        token_id, r = divmod(token_id, 26)
+        letters = chr(ord("a") + r) + letters
+        if token_id == 0:
+            return " zq" + letters
 
-    tok = Tokenizer.from_file(str(path))
-    start = tok.get_vocab_size()
-    tok.add_tokens([AddedToken(f"<|s{i}|>", special=False, normalized=False) for i in range(start, vocab_size)])
-    tok.save(str(path))
+
+def _pad_vocab(path: Path, vocab_size: int) -> None:
+    """Pad the BPE vocabulary of tokenizer.json up to ``vocab_size`` ids with ``pad_word`` tokens.
+
+    Why in the BPE vocabulary and not as added tokens (the first layout): llguidance's tokenizer (the
+    grammar masks, built at start on a side thread) takes quadratic time in the number of added tokens
+    and holds the GIL meanwhile. With 151k added tokens that froze the whole process for 2.5-3 minutes of
+    start-up on the H200 host (the resident log's gap before its warm-up, hybrid's "kernels warmed in
+    156 s"); as vocabulary entries it takes ~1 s, like a real Qwen3 tokenizer. ``ignore_merges``: a word
+    found whole in the vocabulary is its token, so a generated padding word re-encodes to its own id (the
+    demo vocabulary's words encode as before: docs checked in tests)."""
+    tok = json.loads(path.read_text(encoding="utf-8"))
+    vocab = tok["model"]["vocab"]
+    start = max([*vocab.values(), *(t["id"] for t in tok["added_tokens"])]) + 1
+    space = "\u0120"  # the byte-level alphabet's space (GPT-2's bytes_to_unicode)
+    for i in range(start, vocab_size):
+        vocab[space + pad_word(i)[1:]] = i
+    tok["model"]["ignore_merges"] = True
+    path.write_text(json.dumps(tok, ensure_ascii=False) + "\n", encoding="utf-8")

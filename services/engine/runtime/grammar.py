@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import Any
 
 import torch
@@ -73,8 +74,21 @@ class GrammarCompiler:
 
     def warm_in_background(self) -> None:
         """Build the llguidance tokenizer on a side thread now, so that the first constrained request does
-        not convert a 150k vocabulary (~1-4 s) on the API's event loop."""
-        threading.Thread(target=lambda: self.tokenizer, name="tandem-grammar-warm", daemon=True).start()
+        not convert a 150k vocabulary (~1-4 s) on the API's event loop. llguidance holds the GIL while it
+        converts, so this stalls the whole process meanwhile (the GPU warm-up included): its time is logged,
+        and a warning names it past WARN_BUILD_S (a tokenizer with 151k *added* tokens took minutes: the
+        conversion is quadratic in them, docs/serving.md "Start-up")."""
+        def build() -> None:
+            t0 = time.perf_counter()
+            self.tokenizer  # noqa: B018 - built on first access
+            seconds = time.perf_counter() - t0
+            (log.warning if seconds > self.WARN_BUILD_S else log.info)(
+                "grammar tokenizer (llguidance) built in %.1f s for %d tokens%s", seconds, self.mask_vocab,
+                "; it held the GIL meanwhile (many added tokens?)" if seconds > self.WARN_BUILD_S else "")
+
+        threading.Thread(target=build, name="tandem-grammar-warm", daemon=True).start()
+
+    WARN_BUILD_S = 10.0  # a real 150k vocabulary builds in ~1-4 s
 
     @property
     def tokenizer(self):

@@ -10,7 +10,7 @@ import torch
 from services.engine.config import EngineConfig
 from services.engine.models.errors import LoaderError
 from services.engine.models.registry import load_model
-from services.engine.models.synthetic import synthetic_spec
+from services.engine.models.synthetic import pad_word, synthetic_spec
 from services.engine.runtime.kv_cache import ForwardBatch, KVCache
 from services.engine.runtime.sampler import Sampler, SamplingParams, make_generator
 from tests.helpers import greedy_generate
@@ -141,7 +141,35 @@ def test_large_vocab_preset_gets_a_tokenizer_that_decodes_every_id(monkeypatch, 
     tok = Tokenizer.from_dir(tokenizer_dir("synthetic:mixtral-8x7b"))
     ids = [0, 500, 31999]  # 31999 lies far past the demo tokenizer's ~700 trained tokens
     assert all(tok.decode([i]) for i in ids)
-    assert tok.decode([31999]) == "<|s31999|>"
+    assert tok.decode([31999]) == pad_word(31999)
+
+
+def test_padded_tokenizer_adds_no_added_tokens_and_round_trips(monkeypatch, tmp_path):
+    """The padding lives in the BPE vocabulary: llguidance (grammar masks, built at start) takes quadratic
+    time in added tokens with the GIL held (151k of them froze start-up for minutes). Padding words come
+    back to their ids when re-encoded, and the demo vocabulary's text encodes as it did unpadded."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from services.engine.models.demo import write_tokenizer_files
+    from services.engine.models.synthetic import tokenizer_dir
+
+    monkeypatch.setenv("TANDEM_DEMO_DIR", str(tmp_path / "demo"))
+    padded_dir = tokenizer_dir("synthetic:qwen3-30b-a3b")
+    write_tokenizer_files(tmp_path / "plain")
+    plain = json.loads((tmp_path / "plain" / "tokenizer.json").read_text())
+    padded = json.loads((padded_dir / "tokenizer.json").read_text())
+    assert padded["added_tokens"] == plain["added_tokens"]
+    tok = HFTokenizer.from_file(str(padded_dir / "tokenizer.json"))
+    base = HFTokenizer.from_file(str(tmp_path / "plain" / "tokenizer.json"))
+    assert tok.get_vocab_size(with_added_tokens=True) == 151936
+    ids = [base.get_vocab_size(), 5000, 77777, 151935]
+    text = tok.decode(ids)
+    assert text == "".join(pad_word(i) for i in ids)
+    assert tok.encode(text).ids == ids
+    prose = "Tandem serves a mixture-of-experts model: the forward graphics processor, 2024's questions!"
+    assert tok.encode(prose).ids == base.encode(prose).ids
 
 
 def _decode_routes(lm, n: int, sampling: SamplingParams) -> tuple[list[int], dict[int, list[list[int]]], list[float]]:
