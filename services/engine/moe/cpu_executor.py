@@ -19,6 +19,7 @@ There is deliberately no pure-torch fallback: a build failure raises with the co
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import sys
 import time
@@ -73,14 +74,23 @@ def build_extension(verbose: bool = False):
     sources = [str(_CSRC / s) for s in _SOURCES]
     t0 = time.perf_counter()
     try:
-        _EXTENSION = cpp_extension.load(
-            name="tandem_cpu_moe",
-            sources=sources,
-            extra_cflags=["-O3", "-fno-math-errno"],  # the C++ standard: torch's default (its headers need it)
-            extra_ldflags=["-lpthread"],
-            build_directory=str(build_dir),
-            verbose=verbose,
-        )
+        # torch's build lock is a plain `lock` file: a build killed midway (Ctrl-C during the first start)
+        # leaves it, and every later start waits on it forever. An flock is released by the OS when its
+        # holder dies, so whoever holds ours knows a `lock` file left beside it belongs to no live build.
+        with open(build_dir / "tandem-build.flock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            baton = build_dir / "lock"
+            if baton.exists():
+                log.warning("cpu executor: removing %s, left by a build that did not finish", baton)
+                baton.unlink(missing_ok=True)
+            _EXTENSION = cpp_extension.load(
+                name="tandem_cpu_moe",
+                sources=sources,
+                extra_cflags=["-O3", "-fno-math-errno"],  # the C++ standard: torch's default (its headers need it)
+                extra_ldflags=["-lpthread"],
+                build_directory=str(build_dir),
+                verbose=verbose,
+            )
     except Exception as exc:  # noqa: BLE001 - re-raised with the context a user needs
         raise RuntimeError(
             f"cpu executor: building the C++ extension from {', '.join(sources)} in {build_dir} failed "

@@ -338,6 +338,24 @@ def test_build_failure_names_the_cause(tmp_path, monkeypatch):
     assert "broken.cpp" in str(err.value) and "Error" in str(err.value)
 
 
+
+@pytest.mark.timeout(120)
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next(tmp_path, monkeypatch):
+    """torch's build baton (a plain `lock` file) left by a build killed midway made every later start wait
+    forever; the next build now removes it and goes on (here to the compiler's error, quickly)."""
+    import services.engine.moe.cpu_executor as mod
+
+    (tmp_path / "broken.cpp").write_text("this is not C++;\n")
+    (tmp_path / "build").mkdir()
+    (tmp_path / "build" / "lock").write_text("")  # what a killed build leaves
+    monkeypatch.setattr(mod, "_EXTENSION", None)
+    monkeypatch.setattr(mod, "_CSRC", tmp_path)
+    monkeypatch.setattr(mod, "_SOURCES", ("broken.cpp",))
+    monkeypatch.setattr(mod, "extension_dir", lambda: tmp_path / "build")
+    with pytest.raises(RuntimeError, match="broken.cpp"):
+        mod.build_extension()
+    assert not (tmp_path / "build" / "lock").exists()
+
 _FAKE_DRIVER_SCRIPT = r"""
 import ctypes, sys
 import torch
