@@ -78,6 +78,9 @@ def _wrap_triton(module, counter: OpCounter) -> None:
                     return self.fn[grid](*args, **kwargs)
             return run
 
+        def __call__(self, *args, **kwargs):  # a @triton.jit helper called from inside another kernel
+            return self.fn(*args, **kwargs)
+
     from triton.runtime.interpreter import InterpretedFunction
 
     for name, obj in list(vars(module).items()):
@@ -118,6 +121,68 @@ def count_decode_step(model: str, dtype: torch.dtype, kv_len: int, start: int = 
     for name in ("rmsnorm", "qk_norm_rope", "route_topk", "decode_attention", "gemv"):
         _wrap_triton(importlib.import_module(f"kernels.{name}"), counter)
 
+    handles = _label_layers(lm, counter)
+    try:
+        with counter:
+            lm.model(ids, pos, batch, kv)
+    finally:
+        for h in handles:
+            h.remove()
+    counter.spec = lm.spec
+    return counter
+
+
+def count_mixed_step(model: str, dtype: torch.dtype, decode_rows: int, prompts: int, prompt_len: int,
+                     triton: bool = True, decode_start: int = 100) -> OpCounter:
+    """One eager step of ``prompts`` new prompts of ``prompt_len`` tokens (fresh slots, position 0) and
+    ``decode_rows`` decode rows (one token each at position ``decode_start``), counted. The resident
+    runner replays the decode rows apart (``decode_rows=0`` counts its eager part); hybrid and auto run
+    the whole step as this one eager forward."""
+    import importlib
+
+    import kernels.moe_gemm as moe_gemm_module
+    import kernels.moe_gemv as moe_gemv_module
+    from services.engine.models import fused
+    from services.engine.config import EngineConfig, MoEBackend
+    from services.engine.models.registry import load_model
+    from services.engine.moe.resident import moe_decode
+    from services.engine.runtime.kv_cache import ForwardBatch, KVCache
+
+    max_len = max(decode_start + 1, prompt_len)
+    cfg = EngineConfig(model=model, device="cpu", dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+                       moe_backend=MoEBackend.RESIDENT, max_seq_len=max_len)
+    lm = load_model(cfg)
+    backend = lm.model.backend
+    if backend is not None:  # the GPU path (on the CPU resident would take the grouped path)
+        backend.forward = lambda layer, h, ids, w: moe_decode(h, ids, w, **backend.layers[layer])
+    S = decode_rows + prompts
+    kv = KVCache(lm.spec, S, max_len, "cpu", dtype)
+    gen = torch.Generator().manual_seed(0)
+    vocab = lm.spec.vocab_size
+    lens = [prompt_len] * prompts + [1] * decode_rows
+    starts = [0] * prompts + [decode_start] * decode_rows
+    ids = torch.randint(1, vocab, (sum(lens),), generator=gen)
+    pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+    fused.FORCE = triton
+    lm.model(ids, pos, ForwardBatch(slots=list(range(S)), start_pos=starts, query_lens=lens), kv)  # warm-up
+
+    counter = OpCounter()
+    for module in (moe_gemv_module, moe_gemm_module):
+        _wrap_triton(module, counter)
+    for name in ("rmsnorm", "qk_norm_rope", "route_topk", "decode_attention", "gemv"):
+        _wrap_triton(importlib.import_module(f"kernels.{name}"), counter)
+    handles = _label_layers(lm, counter)
+    try:
+        with counter:
+            lm.model(ids, pos, ForwardBatch(slots=list(range(S)), start_pos=starts, query_lens=lens), kv)
+    finally:
+        for h in handles:
+            h.remove()
+    counter.spec = lm.spec
+    return counter
+
+
+def _label_layers(lm, counter: OpCounter) -> list:
     def enter(i):
         def hook(module, args):
             counter.label = f"layer {i}"
@@ -129,14 +194,7 @@ def count_decode_step(model: str, dtype: torch.dtype, kv_len: int, start: int = 
     handles = []
     for i, layer in enumerate(lm.model.model.layers):
         handles += [layer.register_forward_pre_hook(enter(i)), layer.register_forward_hook(leave)]
-    try:
-        with counter:
-            lm.model(ids, pos, batch, kv)
-    finally:
-        for h in handles:
-            h.remove()
-    counter.spec = lm.spec
-    return counter
+    return handles
 
 
 def main(argv: list[str] | None = None) -> int:

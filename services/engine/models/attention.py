@@ -4,8 +4,11 @@ Legend: T tokens in the step · B sequences · H query heads · K kv heads · G 
 head · Dh head dim · W attended key window · M max_seq_len.
 
 Two paths, same maths:
-- prefill / mixed steps: per sequence, write its new K/V into its slot and attend causally over
-  ``[0, start + q)`` (SDPA, GQA inside SDPA);
+- prefill / mixed steps: every sequence writes its new K/V into its slot and attends causally over
+  ``[0, start + q)`` of it; the sequences go packed into ONE SDPA call per layer with a block-diagonal
+  causal bias (``PackedPrefill``, built once per forward), so a step's launches do not grow with its
+  sequences (a 24-layer step of 4 prompts + 16 decode rows was ~108 attention launches per layer);
+  one long sequence or gpt-oss's sinks attend per sequence (GQA inside SDPA);
 - decode steps (one token per sequence): batched, no Python-int-dependent shapes once ``kv_len`` is
   fixed, so a runner can capture it in a CUDA graph. On CUDA one Triton kernel writes the new K/V and
   attends over the slot's cache in place (kernels/decode_attention.py; sliding windows and gpt-oss's
@@ -31,6 +34,11 @@ from services.engine.runtime.kv_cache import ForwardBatch, KVCache
 
 
 SINK_BIAS_ELEMENTS = 1 << 25  # prefill with sinks: most bias elements per SDPA call (64 MiB in bf16)
+# Packed prefill (one SDPA over all the step's sequences, block-diagonal causal bias [T, Tk]): at most
+# this many bias elements (32 MiB in bf16). Packing wastes (B - 1) / B of the scores of B sequences, nothing
+# next to a step's launches while T x Tk is small (16 prompts of 100 tokens: 2.6 M); past it (long
+# prompts: compute-bound, few sequences) each sequence attends alone.
+PACK_MAX_ELEMENTS = 1 << 24
 
 
 class Attention(nn.Module):
@@ -97,7 +105,13 @@ class Attention(nn.Module):
         return fused.linear(o.reshape(T, H * Dh), self.o_proj.weight, self.o_proj.bias)
 
     def _prefill(self, q, k, v, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
-        """Per sequence: q [T, H, Dh], k/v [T, K, Dh] -> o [T, H, Dh]."""
+        """q [T, H, Dh], k/v [T, K, Dh] -> o [T, H, Dh]: several sequences packed into one attention call
+        (``PackedPrefill``: one K/V write, one key gather, one SDPA per layer), or per sequence (one
+        sequence, gpt-oss's sinks, or a packed bias past PACK_MAX_ELEMENTS)."""
+        T = q.shape[0]
+        if (batch.num_seqs > 1 and self.sinks is None
+                and T * (sum(batch.start_pos) + T) <= PACK_MAX_ELEMENTS):
+            return self._prefill_packed(q, k, v, batch, k_cache, v_cache)
         outs, off = [], 0
         for slot, start, n in zip(batch.slots, batch.start_pos, batch.query_lens):
             end = start + n
@@ -117,6 +131,17 @@ class Attention(nn.Module):
             outs.append(o[0].transpose(0, 1))  # [n, H, Dh]
             off += n
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _prefill_packed(self, q, k, v, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
+        """Every sequence of the step in one call: q [T, H, Dh], k/v [T, K, Dh] -> o [T, H, Dh]."""
+        p = batch.packed(q.device)
+        k_cache[p.tok_slot, p.tok_pos] = k  # one scatter each for K and V
+        v_cache[p.tok_slot, p.tok_pos] = v
+        ks = k_cache[p.key_slot, p.key_pos].transpose(0, 1)[None]  # [1, K, Tk, Dh]
+        vs = v_cache[p.key_slot, p.key_pos].transpose(0, 1)[None]  # [1, K, Tk, Dh]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], ks, vs, attn_mask=p.bias(self.window, q.dtype),
+                                           enable_gqa=True)  # [1, H, T, Dh]
+        return o[0].transpose(0, 1)  # [T, H, Dh]
 
     def _attend_with_sinks(self, qs, ks, vs, start: int) -> torch.Tensor:
         """Prefill with sinks: qs [1, H, n, Dh] (positions [start, start + n)) · ks/vs [1, K, W, Dh] ->
