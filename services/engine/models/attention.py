@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.engine.models import fused
 from services.engine.models.fused import LinearGroup
@@ -34,11 +35,16 @@ from services.engine.runtime.kv_cache import ForwardBatch, KVCache
 
 
 SINK_BIAS_ELEMENTS = 1 << 25  # prefill with sinks: most bias elements per SDPA call (64 MiB in bf16)
-# Packed prefill (one SDPA over all the step's sequences, block-diagonal causal bias [T, Tk]): at most
-# this many bias elements (32 MiB in bf16). Packing wastes (B - 1) / B of the scores of B sequences, nothing
-# next to a step's launches while T x Tk is small (16 prompts of 100 tokens: 2.6 M); past it (long
-# prompts: compute-bound, few sequences) each sequence attends alone.
-PACK_MAX_ELEMENTS = 1 << 24
+# Packed prefill (one SDPA over all the step's sequences, block-diagonal causal bias [G T, Tk]): at most
+# this many bias elements (64 MiB in bf16). Packing wastes (B - 1) / B of the scores of B sequences, nothing
+# next to a step's launches while the bias is small (16 prompts of 100 tokens at G = 8: 20 M); past it
+# (long prompts: compute-bound, few sequences) each sequence attends alone.
+PACK_MAX_ELEMENTS = 1 << 25
+# Prefill SDPA backends: never cuDNN. torch >= 2.10 with its bundled cuDNN >= 9.15 tries cuDNN attention first
+# on sm90 / sm100, and cuDNN builds an execution plan for every new shape (reported 0.1-0.45 s each); prompt
+# lengths, and packed steps' (T, Tk), are nearly always new, so every prefill would pay one. Flash takes
+# the causal calls, memory-efficient the biased ones, math what neither takes (and the CPU's own kernels).
+PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class Attention(nn.Module):
@@ -108,10 +114,15 @@ class Attention(nn.Module):
         """q [T, H, Dh], k/v [T, K, Dh] -> o [T, H, Dh]: several sequences packed into one attention call
         (``PackedPrefill``: one K/V write, one key gather, one SDPA per layer), or per sequence (one
         sequence, gpt-oss's sinks, or a packed bias past PACK_MAX_ELEMENTS)."""
-        T = q.shape[0]
-        if (batch.num_seqs > 1 and self.sinks is None
-                and T * (sum(batch.start_pos) + T) <= PACK_MAX_ELEMENTS):
-            return self._prefill_packed(q, k, v, batch, k_cache, v_cache)
+        with sdpa_kernel(PREFILL_BACKENDS):
+            T, G = q.shape[0], self.H // self.K
+            if (batch.num_seqs > 1 and self.sinks is None
+                    and G * T * (sum(batch.start_pos) + T) <= PACK_MAX_ELEMENTS):
+                return self._prefill_packed(q, k, v, batch, k_cache, v_cache)
+            return self._prefill_each(q, k, v, batch, k_cache, v_cache)
+
+    def _prefill_each(self, q, k, v, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
+        """One attention call per sequence (under ``_prefill``'s backend choice)."""
         outs, off = [], 0
         for slot, start, n in zip(batch.slots, batch.start_pos, batch.query_lens):
             end = start + n
@@ -133,15 +144,18 @@ class Attention(nn.Module):
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _prefill_packed(self, q, k, v, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
-        """Every sequence of the step in one call: q [T, H, Dh], k/v [T, K, Dh] -> o [T, H, Dh]."""
+        """Every sequence of the step in one call: q [T, H, Dh], k/v [T, K, Dh] -> o [T, H, Dh]. The G query
+        heads of a kv head go as G query rows of it (row t G + g: token t, head k G + g), as in ``_decode``:
+        no GQA support asked of the biased kernel, K/V never repeated."""
+        T, K, G, Dh = q.shape[0], self.K, self.H // self.K, self.Dh
         p = batch.packed(q.device)
         k_cache[p.tok_slot, p.tok_pos] = k  # one scatter each for K and V
         v_cache[p.tok_slot, p.tok_pos] = v
         ks = k_cache[p.key_slot, p.key_pos].transpose(0, 1)[None]  # [1, K, Tk, Dh]
         vs = v_cache[p.key_slot, p.key_pos].transpose(0, 1)[None]  # [1, K, Tk, Dh]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], ks, vs, attn_mask=p.bias(self.window, q.dtype),
-                                           enable_gqa=True)  # [1, H, T, Dh]
-        return o[0].transpose(0, 1)  # [T, H, Dh]
+        qg = q.view(T, K, G, Dh).transpose(0, 1).reshape(1, K, T * G, Dh)  # [1, K, T G, Dh]
+        o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=p.bias(self.window, q.dtype, G))  # [1, K, T G, Dh]
+        return o.view(K, T, G, Dh).transpose(0, 1).reshape(T, self.H, Dh)  # [T, H, Dh]
 
     def _attend_with_sinks(self, qs, ks, vs, start: int) -> torch.Tensor:
         """Prefill with sinks: qs [1, H, n, Dh] (positions [start, start + n)) · ks/vs [1, K, W, Dh] ->

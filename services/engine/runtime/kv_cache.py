@@ -132,7 +132,7 @@ class PackedPrefill:
     key_pos: torch.Tensor  # [Tk] int64
     tok_seq: torch.Tensor  # [T] int64: index of the token's sequence in the batch
     key_seq: torch.Tensor  # [Tk] int64
-    biases: dict = field(default_factory=dict, repr=False)  # (dtype, window) -> [T, Tk] additive bias
+    biases: dict = field(default_factory=dict, repr=False)  # (dtype, window, G) -> [T G, Tk] additive bias
 
     @property
     def num_keys(self) -> int:
@@ -154,15 +154,18 @@ class PackedPrefill:
         tok, keys = flat[:3 * T].view(3, T), flat[3 * T:].view(3, -1)
         return PackedPrefill(tok[0], tok[1], keys[0], keys[1], tok[2], keys[2])
 
-    def bias(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """[T, Tk] additive bias in ``dtype``: 0 where a token may see a key (same sequence, key position
+    def bias(self, window: int | None, dtype: torch.dtype, rows_per_token: int = 1) -> torch.Tensor:
+        """[T G, Tk] additive bias in ``dtype``, G = ``rows_per_token`` rows per token (its query heads of
+        one kv head, rows t G .. t G + G - 1): 0 where a token may see a key (same sequence, key position
         <= its own, and within ``window`` when set: key > pos - window, as transformers), -inf elsewhere.
         Every token sees at least itself, so no row is all -inf."""
-        if (dtype, window) not in self.biases:
+        key = (dtype, window, rows_per_token)
+        if key not in self.biases:
             q_pos, k_pos = self.tok_pos[:, None], self.key_pos[None, :]
             allowed = (self.tok_seq[:, None] == self.key_seq[None, :]) & (k_pos <= q_pos)
             if window is not None:
                 allowed &= k_pos > q_pos - window
             zero = torch.zeros((), dtype=dtype, device=allowed.device)
-            self.biases[(dtype, window)] = torch.where(allowed, zero, float("-inf"))
-        return self.biases[(dtype, window)]
+            bias = torch.where(allowed, zero, float("-inf"))  # [T, Tk]
+            self.biases[key] = bias.repeat_interleave(rows_per_token, dim=0) if rows_per_token > 1 else bias
+        return self.biases[key]

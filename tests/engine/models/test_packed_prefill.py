@@ -2,8 +2,9 @@
 ``PackedPrefill``) against a naive per-sequence softmax attention written here (GQA by repeating kv heads,
 explicit causal / sliding-window mask): new prompts, chunks continuing a cached prefix and decode rows
 in one step, with and without a window; the K/V caches must end up exactly as the writes say. The
-per-sequence path (forced by PACK_MAX_ELEMENTS = 0) must give the same, and the packed path must be
-the one taken (one SDPA call per layer whatever the number of sequences)."""
+per-sequence path (forced by PACK_MAX_ELEMENTS = 0) must give the same, the packed path must be
+the one taken (one SDPA call per layer whatever the number of sequences), and cuDNN attention must be
+off for every prefill call."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def test_prefill_matches_naive_attention(window, packed, monkeypatch):
     calls = []
     real_sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention",
-                        lambda *a, **kw: calls.append(1) or real_sdpa(*a, **kw))
+                        lambda *a, **kw: calls.append(torch.backends.cuda.cudnn_sdp_enabled()) or real_sdpa(*a, **kw))
     got = attn._prefill(q, k, v, batch, k_cache, v_cache)
     monkeypatch.undo()
     want = _reference(q, k, v, batch, k_ref, v_ref, window)
@@ -74,11 +75,13 @@ def test_prefill_matches_naive_attention(window, packed, monkeypatch):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
     assert len(calls) == (1 if packed else len(STEP))
+    assert not any(calls)  # never cuDNN attention: it builds a plan per new shape (attention.PREFILL_BACKENDS)
 
 
 def test_packed_bias_is_block_diagonal_causal():
     batch = ForwardBatch(slots=[2, 0], start_pos=[0, 2], query_lens=[2, 1])
     bias = batch.packed(torch.device("cpu")).bias(None, torch.float32)  # [3 tokens, 2 + 3 keys]
+    assert torch.equal(batch.packed(torch.device("cpu")).bias(None, torch.float32, 2), bias.repeat_interleave(2, 0))
     inf = float("-inf")
     want = torch.tensor([[0, inf, inf, inf, inf],
                          [0, 0, inf, inf, inf],
