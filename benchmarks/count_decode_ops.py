@@ -1,6 +1,8 @@
-"""Count the device ops (~ CUDA kernels) of one bs=1 decode step, per decoder layer, on the CPU.
+"""Count the device ops (~ CUDA kernels) of one bs=1 decode step, or of one eager prefill / mixed step
+(``--mixed ROWS,PROMPTS,LEN``), per decoder layer, on the CPU.
 
     python -m benchmarks.count_decode_ops [--model synthetic:tiny] [--dtype bfloat16] [--kv-len 64] [--json PATH]
+    python -m benchmarks.count_decode_ops --model 'synthetic:tiny?layers=24' --mixed 16,4,60
 
 Why: under CUDA-graph replay each kernel still costs a few us, so on a 48-layer model the number of
 kernels per layer, not the bytes, decides decode speed. This runs one decode step the way the
@@ -61,31 +63,35 @@ class OpCounter(TorchDispatchMode):
         return out
 
 
+class _Launch:
+    """A counted @triton.jit function: ``fn[grid](...)`` records one op, then launches with the counter off."""
+
+    def __init__(self, fn, counter: OpCounter) -> None:
+        self.fn, self.counter = fn, counter
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.counter.record(f"triton::{self.fn.__name__}")
+            with _disable_current_modes():
+                return self.fn[grid](*args, **kwargs)
+        return run
+
+    def __call__(self, *args, **kwargs):  # a @triton.jit helper called from inside another kernel
+        return self.fn(*args, **kwargs)
+
+
 def _wrap_triton(module, counter: OpCounter) -> None:
-    """Replace every @triton.jit function of ``module`` by a proxy that counts one op per launch and
-    runs the real kernel with the counter switched off (the interpreter's own tensor traffic is not
-    device work)."""
+    """Replace every @triton.jit function of ``module`` by a proxy that counts one op per launch into
+    ``counter`` and runs the real kernel with the counter switched off (the interpreter's own tensor
+    traffic is not device work); a proxy of an earlier count is re-pointed at this one."""
     import triton
-
-    class Launch:
-        def __init__(self, fn) -> None:
-            self.fn = fn
-
-        def __getitem__(self, grid):
-            def run(*args, **kwargs):
-                counter.record(f"triton::{self.fn.__name__}")
-                with _disable_current_modes():
-                    return self.fn[grid](*args, **kwargs)
-            return run
-
-        def __call__(self, *args, **kwargs):  # a @triton.jit helper called from inside another kernel
-            return self.fn(*args, **kwargs)
-
     from triton.runtime.interpreter import InterpretedFunction
 
     for name, obj in list(vars(module).items()):
+        if isinstance(obj, _Launch):
+            obj = obj.fn
         if isinstance(obj, (triton.runtime.JITFunction, InterpretedFunction)):
-            setattr(module, name, Launch(obj))
+            setattr(module, name, _Launch(obj, counter))
 
 
 def count_decode_step(model: str, dtype: torch.dtype, kv_len: int, start: int = 5, triton: bool = True) -> OpCounter:
@@ -204,9 +210,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-len", type=int, default=64, help="static decode KV window (as the graph runner)")
     p.add_argument("--torch-path", action="store_true",
                    help="count the torch path of the fused ops (what the CPU runs) instead of their Triton kernels")
+    p.add_argument("--mixed", metavar="ROWS,PROMPTS,LEN",
+                   help="count an eager step of PROMPTS new prompts of LEN tokens and ROWS decode rows instead "
+                        "(e.g. 16,4,60 as hybrid runs it; 0,4,60 is resident's eager part, its decode rows replay)")
     p.add_argument("--json", help="also write the counts to this JSON file")
     args = p.parse_args(argv)
-    counter = count_decode_step(args.model, getattr(torch, args.dtype), args.kv_len, triton=not args.torch_path)
+    if args.mixed:
+        try:
+            rows, prompts, length = (int(x) for x in args.mixed.split(","))
+            if rows < 0 or prompts < 0 or length <= 0 or rows + prompts == 0:
+                raise ValueError
+        except ValueError:
+            p.error(f"--mixed wants ROWS,PROMPTS,LEN (non-negative, LEN > 0, a row or a prompt), got {args.mixed!r}")
+        counter = count_mixed_step(args.model, getattr(torch, args.dtype), rows, prompts, length,
+                                   triton=not args.torch_path)
+        step = f"mixed step: {prompts} prompts x {length} tokens + {rows} decode rows"
+    else:
+        counter = count_decode_step(args.model, getattr(torch, args.dtype), args.kv_len, triton=not args.torch_path)
+        step = f"decode bs=1, KV window {args.kv_len}"
     from services.engine.models import fused
     if fused._broken:
         print(f"count_decode_ops: Triton kernels failed: {sorted(fused._broken)}", file=sys.stderr)
@@ -214,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = counter.spec
     kernels = {label: sum(c.values()) for label, c in counter.counts.items()}
     path = "torch path" if args.torch_path else "Triton kernels as on CUDA"
-    print(f"{args.model} ({args.dtype}, decode bs=1, KV window {args.kv_len}, {path}): device ops (~kernels) per step")
+    print(f"{args.model} ({args.dtype}, {step}, {path}): device ops (~kernels) per step")
     shown = set()
     for i in range(spec.num_layers):
         label = f"layer {i}"
@@ -235,10 +256,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {n:4d}  {name}")
     total = sum(kernels.values())
     syncs = sum(n for c in counter.counts.values() for name, n in c.items() if name in SYNCS)
-    print(f"\ntotal {total} ops per decode step, {syncs} host syncs")
+    print(f"\ntotal {total} ops per step, {syncs} host syncs")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "dtype": args.dtype, "kv_len": args.kv_len, "total": total,
+            json.dump({"model": args.model, "dtype": args.dtype, "kv_len": args.kv_len, "mixed": args.mixed, "total": total,
                        "host_syncs": syncs, "ops": {k: dict(v) for k, v in counter.counts.items()},
                        "free": {k: dict(v) for k, v in counter.free.items()}}, f, indent=2)
     return 0

@@ -167,5 +167,6 @@ class PackedPrefill:
                 allowed &= k_pos > q_pos - window
             zero = torch.zeros((), dtype=dtype, device=allowed.device)
             bias = torch.where(allowed, zero, float("-inf"))  # [T, Tk]
-            self.biases[key] = bias.repeat_interleave(rows_per_token, dim=0) if rows_per_token > 1 else bias
+            T, Tk, G = bias.shape[0], bias.shape[1], rows_per_token
+            self.biases[key] = bias[:, None].expand(T, G, Tk).reshape(T * G, Tk)  # row t G + g = token t
         return self.biases[key]

@@ -88,3 +88,30 @@ def test_packed_bias_is_block_diagonal_causal():
                          [inf, inf, 0, 0, 0]])
     assert torch.equal(bias, want)
     assert batch.packed(torch.device("cpu")) is batch.packed(torch.device("cpu"))  # built once per forward
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("window", [None, 6])
+def test_on_cuda_bf16_packed_matches_and_runs_no_cudnn_kernel(window):
+    """bf16 on the GPU against the naive reference in fp32, and no cuDNN kernel in the profile (a cuDNN
+    plan per new shape is what PREFILL_BACKENDS keeps off the request path)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(5)
+    attn = _attention(window).cuda()
+    batch = ForwardBatch(slots=[s for s, _, _ in STEP], start_pos=[p for _, p, _ in STEP],
+                         query_lens=[n for _, _, n in STEP])
+    T = batch.num_tokens
+    q, k, v = (torch.randn(T, h, Dh, generator=g) for h in (H, K, K))
+    k_cache, v_cache = torch.randn(S, M, K, Dh, generator=g), torch.randn(S, M, K, Dh, generator=g)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    want = _reference(q, k, v, batch, k_ref, v_ref, window)
+    dev = [t.to("cuda", torch.bfloat16) for t in (q, k, v, k_cache, v_cache)]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        got = attn._prefill(*dev[:3], batch, *dev[3:])
+        torch.cuda.synchronize()
+    names = [e.name.lower() for e in prof.events()]
+    assert not [n for n in names if "cudnn" in n], "prefill attention ran a cuDNN kernel"
+    torch.testing.assert_close(got.float().cpu(), want, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(dev[3].float().cpu(), k_ref.to(torch.bfloat16).float())
