@@ -84,7 +84,6 @@ def _to_hub_mxfp4(d: Path) -> torch.nn.Module:
     import json
 
     from safetensors.torch import load_file, save_file
-    from transformers import GptOssForCausalLM, Mxfp4Config
 
     from services.engine.models import mxfp4
 
@@ -98,9 +97,26 @@ def _to_hub_mxfp4(d: Path) -> torch.nn.Module:
     cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    return load_gpt_oss_reference(d)
+
+
+def load_gpt_oss_reference(d: Path) -> torch.nn.Module:
+    """transformers' fp32 CPU model of the Hub-layout gpt-oss checkpoint in ``d`` (MXFP4 dequantized by its
+    quantizer), eager attention."""
+    import json
+
+    from transformers import GptOssForCausalLM, Mxfp4Config
+
+    cfg = json.loads((d / "config.json").read_text())
     hf = GptOssForCausalLM.from_pretrained(d, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32)
     hf.config._attn_implementation = "eager"
-    return hf.eval()
+    # Older transformers (the GPU image's 5.17) hard-code GptOssExperts.limit = 7.0 (no swiglu_limit field; the
+    # forward reads self.limit) and dequantize MXFP4 experts to bf16 on the CPU: the reference then clamps at 7
+    # instead of this checkpoint's 1 and gives other greedy tokens from the 4th on. The checkpoint's limit and
+    # fp32 (MXFP4 values are exact in bf16, so nothing is lost) make it the checkpoint's model on any version.
+    for layer in hf.model.layers:
+        layer.mlp.experts.limit = cfg["swiglu_limit"]
+    return hf.float().eval()
 
 
 POST_SAVE = {"gpt_oss": _to_hub_mxfp4}  # architectures whose Hub layout differs from save_pretrained's

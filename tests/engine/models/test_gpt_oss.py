@@ -205,6 +205,63 @@ def test_prefill_sinks_in_query_blocks_equal_transformers(elements, hf_checkpoin
     torch.testing.assert_close(ours, ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
 
 
+def test_reference_is_the_checkpoints_model_on_older_transformers(hf_checkpoints, monkeypatch):
+    """transformers releases whose GptOssExperts hard-code limit 7.0 (the GPU image's 5.17; newer ones read
+    swiglu_limit) would make a reference that clamps at 7, not the checkpoint's 1: greedy tokens
+    [2, 93, 117, 108, 36, 24, ...] instead of [2, 93, 117, 49, 116, 49, ...], which read as a CUDA bug on the
+    H200. conftest.load_gpt_oss_reference sets the checkpoint's limit, so any version gives the same tokens."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    from tests.engine.conftest import load_gpt_oss_reference
+
+    init = modeling_gpt_oss.GptOssExperts.__init__
+
+    def init_hard_coded(self, config):  # as transformers 5.17's GptOssExperts
+        init(self, config)
+        self.limit = 7.0
+
+    monkeypatch.setattr(modeling_gpt_oss.GptOssExperts, "__init__", init_hard_coded)
+    c = hf_checkpoints["gpt_oss"]
+    hf = load_gpt_oss_reference(c.dir)
+    assert {layer.mlp.experts.limit for layer in hf.model.layers} == {1.0}
+    assert hf_greedy(hf, PROMPT, 8) == hf_greedy(c.hf, PROMPT, 8)
+
+
+def test_cuda_code_paths_equal_transformers(hf_checkpoints, monkeypatch):
+    """What the CUDA model runs, on CPU tensors (TRITON_INTERPRET): every fused kernel (RMSNorm, q/k rope
+    with YaRN, decode attention with sinks and the 4-key window, router top-k, the one-row GEMVs) and the
+    MoE kernels on the MXFP4 banks with biases and the clamped SwiGLU (the 11-token prefill's 22 routes on
+    the grouped GEMM, each decode step's 2 on the GEMV): greedy tokens equal transformers', no fallback.
+    The CPU twin of test_cuda_decode_and_its_graph_equal_transformers (what only a GPU changes is left
+    to it: tf32/fp16 rounding, the compiled kernels, the graph)."""
+    from services.engine.models import fused
+    from services.engine.models.registry import load_model
+    from services.engine.moe import resident
+
+    kernel = resident.DecodeKernel()
+    calls = {"gemv": 0, "gemm": 0}
+
+    def counted(name, fn):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return run
+
+    from kernels.moe_gemm import moe_gemm
+    from kernels.moe_gemv import moe_gemv
+
+    kernel._gemv, kernel._gemm = counted("gemv", moe_gemv), counted("gemm", moe_gemm)
+    monkeypatch.setattr(resident, "moe_compute", lambda *args, **kwargs: kernel(*args, **kwargs))  # as on CUDA
+    monkeypatch.setattr(fused, "FORCE", True)
+    monkeypatch.setattr(fused, "_broken", set())
+    c = hf_checkpoints["gpt_oss"]
+    lm = load_model(EngineConfig(model=str(c.dir)))
+    ours = greedy_generate(lm, PROMPT, 12)  # past the window (4) and the GPU test's first mismatch (token 3)
+    assert kernel.kind == "triton" and not fused._broken, f"fell back to torch: {fused._broken}"
+    assert calls == {"gemm": 3, "gemv": 3 * 11}  # 3 MoE layers: the prefill on the GEMM, 11 decode steps on the GEMV
+    assert ours == hf_greedy(c.hf, PROMPT, 12)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend", ["resident", "offload"])
@@ -218,11 +275,16 @@ def test_cuda_decode_and_its_graph_equal_transformers(backend, hf_checkpoints):
     from tests.helpers import graph_greedy
 
     c = hf_checkpoints["gpt_oss"]
+    want = hf_greedy(c.hf, PROMPT, 24)
+    # the reference checked first on this host, against the engine's CPU torch path (equal on the dev box):
+    # a mismatch here is the reference or the host, not the CUDA path
+    cpu = greedy_generate(load_model(EngineConfig(model=str(c.dir))), PROMPT, 24)
+    assert cpu == want, f"transformers {want} != the engine's CPU torch path {cpu} on this host"
     slots = {} if backend == "resident" else {"moe_cache_size": 2}  # top-2: the smallest cache, misses every step
     lm = load_model(EngineConfig(model=str(c.dir), device="cuda", moe_backend=backend, **slots))
     try:
-        want = hf_greedy(c.hf, PROMPT, 24)
-        assert greedy_generate(lm, PROMPT, 24) == want
+        eager = greedy_generate(lm, PROMPT, 24)
+        assert eager == want, f"CUDA eager {eager} != transformers {want} (kernel {moe_decode.kind}, broken {fused._broken})"
         assert graph_greedy(lm, backend, PROMPT, 24) == want
     finally:
         getattr(lm.backend, "close", lambda: None)()
