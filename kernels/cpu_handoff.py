@@ -56,7 +56,11 @@ def _kernels():
     import triton.language as tl
     from triton.language.extra.cuda import globaltimer as _now
 
-    @triton.jit
+    # the ints that change per layer and per step (layer, T in ``code``, n_r = T x A) are do_not_specialize:
+    # Triton would compile a variant per layer == 1 / layer % 16 == 0 / other and per n_r % 16, and the
+    # start-up warm-up (one layer, a few sizes) would leave those compiles to requests. n and n_h (T x D)
+    # stay specialized: D % 16 == 0 in every model, so they always divide by 16 (vectorized loads)
+    @triton.jit(do_not_specialize=["code", "layer"])
     def _signal_kernel(seq_ptr, job_ptr, stamps_ptr, code, layer, TIMER: tl.constexpr):
         seq = tl.load(seq_ptr) + 1
         tl.store(seq_ptr, seq)
@@ -64,7 +68,7 @@ def _kernels():
             tl.store(stamps_ptr + layer * 3, _now())
         tl.store(job_ptr, (seq << 20) | code)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["layer"])
     def _wait_add_kernel(seq_ptr, done_ptr, cpu_ptr, part_ptr, out_ptr, stamps_ptr, layer, n, max_polls,
                          misses_ptr, fetched_ptr, counters_ptr,
                          TIMER: tl.constexpr, COUNTERS: tl.constexpr, GPU: tl.constexpr, BLOCK: tl.constexpr):
@@ -94,7 +98,7 @@ def _kernels():
         r = tl.where(ok, p + c, float("nan"))
         tl.store(out_ptr + idx, r.to(out_ptr.dtype.element_ty), mask=m)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["code", "layer", "n_r"])
     def _stage_signal_kernel(seq_ptr, job_ptr, stamps_ptr, code, layer, h_src, h_dst, n_h, i_src, i_dst, w_src, w_dst,
                              n_r, TIMER: tl.constexpr, GPU: tl.constexpr, BLOCK: tl.constexpr, RBLOCK: tl.constexpr):
         for i0 in range(0, n_h, BLOCK):  # hidden [T, D] -> pinned, converted to the buffer's dtype

@@ -30,7 +30,7 @@ def _pick_kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["base"])  # base = layer x E: one compile for every layer
     def _prefetch_pick_kernel(
         logits_ptr, slot_of_id_ptr, out_ptr,
         base, E, A, B, stride_l, stride_o,

@@ -152,7 +152,7 @@ class DecodeKernel:
         """Compile every Triton specialization a step can meet on these banks (the GEMV, the GEMM with each
         launch config of its table, the alignment): one small call each, so no JIT compile lands on the
         request path. ``hidden`` [>=1, D]: a row of the model's dtype. Returns the calls made (0 on torch)."""
-        if self.kind != "triton" or not hidden.is_cuda:
+        if self.kind != "triton" or not _on_kernels(hidden):
             return 0
         from kernels.moe_gemm import all_configs
 
@@ -171,6 +171,15 @@ class DecodeKernel:
         return calls
 
 
+def _on_kernels(hidden: torch.Tensor) -> bool:
+    """Whether the experts of ``hidden`` take the Triton kernels: on CUDA, or everywhere when the model's
+    fused ops are forced onto Triton (``models.fused.FORCE``: CPU tests under TRITON_INTERPRET, e.g. the
+    check that start-up compiles every kernel specialization requests meet)."""
+    from services.engine.models import fused
+
+    return hidden.is_cuda or fused.FORCE is True
+
+
 moe_decode = DecodeKernel()  # shared by backends that compute experts on the GPU (resident, offload, hybrid)
 
 
@@ -180,7 +189,7 @@ def moe_compute(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
                 down_scale: torch.Tensor | None = None, fmt: ExpertFormat = ExpertFormat.UNQUANTIZED) -> torch.Tensor:
     """The routed experts of a step by the cheapest way for its size and device (module docstring): the
     Triton GEMV / grouped GEMM on CUDA (``moe_decode``), the grouped loop on the CPU."""
-    if hidden.is_cuda:
+    if _on_kernels(hidden):
         return moe_decode(hidden, topk_ids, topk_weights, gate_up, down, act, bias, gate_up_scale, down_scale, fmt)
     return moe_grouped(hidden, topk_ids, topk_weights, gate_up, down, act, bias, gate_up_scale, down_scale, fmt)
 

@@ -20,7 +20,8 @@ it would add their weight reads to the step). Each graph is checked against an e
 capture; a size that fails to capture or to match runs eager (logged), so a backend that is not graph-safe
 costs speed, never correctness. Before the capture, ``warm_up`` compiles the expert kernels of every step
 size (the backend's ``warm``) and runs one eager prefill, so no JIT compile or lazy module load lands on a
-request (progress phase "compiling"). A step with prompt chunks and decode rows runs the chunks eagerly and
+request (progress phase "compiling"); a Triton compile after that is logged as a warning naming the kernel's
+specialization (``compile_watch.py``). A step with prompt chunks and decode rows runs the chunks eagerly and
 the decode rows by replay (``_forward_mixed``).
 """
 
@@ -36,6 +37,7 @@ from tqdm import tqdm
 from services.common.logging import get_logger
 from services.common.settings import env
 from services.engine.runtime import penalties
+from services.engine.runtime.compile_watch import CompileWatch
 from services.engine.runtime.grammar import TokenMasks
 from services.engine.runtime.sampler import Sampler, make_generator, token_logprobs
 from services.engine.runtime.scheduler import ScheduledBatch
@@ -77,6 +79,9 @@ class ModelRunner:
             self.warm_up()
         if self.graphs_enabled:
             self._capture()
+        self.compile_watch = CompileWatch()  # from here on a Triton compile is a warm-up miss: logged, counted
+        if device.type == "cuda":
+            self.compile_watch.start()
 
     def recapture(self) -> None:
         """Capture the decode graphs again after the expert backend was rebuilt (an `auto` profile
@@ -251,7 +256,8 @@ class ModelRunner:
         return self.model(input_ids, positions, fb, self.kv)  # [N, V] fp32
 
     def stats(self) -> dict:
-        return {"cuda_graph_sizes": sorted(self.graphs.graphs) if self.graphs else []}
+        return {"cuda_graph_sizes": sorted(self.graphs.graphs) if self.graphs else [],
+                "triton_compiles_after_start": len(self.compile_watch.compiles)}
 
 
 @dataclass(eq=False)
