@@ -99,7 +99,8 @@ class ModelRunner:
         """Compile before serving what a request would otherwise compile or load on first use: the expert
         kernels at every size class (``backend.warm``: the GEMV, the grouped GEMM with each launch config)
         and one eager prefill forward (cuBLAS / SDPA modules, the prefill path's Triton kernels) into slot 0,
-        which holds nothing yet (the prefix cache only reuses slots that requests freed)."""
+        then the same tokens as two packed prompts into slots 0 and 1 (the biased SDPA kernel of packed
+        prefill); the slots hold nothing yet (the prefix cache only reuses slots that requests freed)."""
         t0 = time.perf_counter()
         self._report("compiling", 0, 2)
         warm = getattr(self.model.backend, "warm", None)
@@ -112,11 +113,16 @@ class ModelRunner:
         ids = torch.ones(T, dtype=torch.long, device=self.device)
         pos = torch.arange(T, device=self.device)
         self.model(ids, pos, ForwardBatch(slots=[0], start_pos=[0], query_lens=[T]), self.kv)
+        packed = self.kv.num_slots > 1 and T > 1
+        if packed:  # two prompts in slots 0 and 1: the packed prefill attention's biased kernel (attention.py)
+            h = T // 2
+            self.model(ids, torch.cat([pos[:h], pos[:T - h]]),
+                       ForwardBatch(slots=[0, 1], start_pos=[0, 0], query_lens=[h, T - h]), self.kv)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._report("compiling", 2, 2)
-        log.info("kernels warmed in %.1f s (%d expert-kernel calls, one %d-token prefill)",
-                 time.perf_counter() - t0, calls, T)
+        log.info("kernels warmed in %.1f s (%d expert-kernel calls, a %d-token prefill%s)",
+                 time.perf_counter() - t0, calls, T, ", then as two packed prompts" if packed else "")
 
     def _report(self, phase: str, done: int, total: int) -> None:
         if self.progress is not None:

@@ -16,7 +16,12 @@ from services.engine.runtime.runner import ModelRunner
 from services.engine.runtime.scheduler import ScheduledBatch
 
 
-def test_warm_up_compiles_through_the_backend_and_reports_progress():
+def test_warm_up_compiles_through_the_backend_and_reports_progress(monkeypatch):
+    from services.engine.models.attention import Attention
+
+    packed = []
+    real = Attention._prefill_packed
+    monkeypatch.setattr(Attention, "_prefill_packed", lambda self, *a: packed.append(1) or real(self, *a))
     loaded = load_model(EngineConfig(model="synthetic:tiny", max_seq_len=128))
     events, warmed = [], []
     loaded.model.backend.warm = lambda hidden: warmed.append((tuple(hidden.shape), hidden.dtype)) or 3
@@ -27,6 +32,7 @@ def test_warm_up_compiles_through_the_backend_and_reports_progress():
     before = runner.model(ids, torch.arange(3), batch, runner.kv).clone()
     runner.warm_up()
     assert warmed == [((1, loaded.spec.hidden_size), torch.float32)]
+    assert len(packed) == loaded.spec.num_layers  # the packed prefill's kernel warmed too (two prompts)
     assert [e["phase"] for e in events] == ["compiling"] * 3 and events[-1]["done"] == events[-1]["total"]
     torch.testing.assert_close(runner.model(ids, torch.arange(3), batch, runner.kv), before, atol=0, rtol=0)
 
