@@ -168,5 +168,9 @@ class PackedPrefill:
             zero = torch.zeros((), dtype=dtype, device=allowed.device)
             bias = torch.where(allowed, zero, float("-inf"))  # [T, Tk]
             T, Tk, G = bias.shape[0], bias.shape[1], rows_per_token
-            self.biases[key] = bias[:, None].expand(T, G, Tk).reshape(T * G, Tk)  # row t G + g = token t
+            # rows padded to a multiple of 16 elements: CUDA's memory-efficient SDPA copies a bias whose
+            # row stride is not aligned, i.e. once per layer; this view of an aligned buffer it takes as is
+            padded = bias.new_empty((T * G, -(-Tk // 16) * 16))
+            padded[:, :Tk] = bias[:, None].expand(T, G, Tk).reshape(T * G, Tk)  # row t G + g = token t
+            self.biases[key] = padded[:, :Tk]
         return self.biases[key]
