@@ -321,7 +321,8 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, A, D, stride_y, stride_out, BLOCK: 
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for a in range(0, A):  # in route order, like the reference; skipped routes have no row of y
         e = tl.load(ids_ptr + t * A + a)
-        acc += tl.load(y_ptr + (t * A + a) * stride_y + offs, mask=mask & (e >= 0), other=0.0)
+        if e >= 0:  # a branch, not `mask & (e >= 0)`: triton 3.9's interpreter widens that mask to int32
+            acc += tl.load(y_ptr + (t * A + a) * stride_y + offs, mask=mask, other=0.0)
     tl.store(out_ptr + t * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
