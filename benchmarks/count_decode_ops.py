@@ -20,6 +20,7 @@ dtype casts that an fp32 run would skip).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -80,27 +81,49 @@ class _Launch:
         return self.fn(*args, **kwargs)
 
 
-def _wrap_triton(module, counter: OpCounter) -> None:
-    """Replace every @triton.jit function of ``module`` by a proxy that counts one op per launch into
-    ``counter`` and runs the real kernel with the counter switched off (the interpreter's own tensor
-    traffic is not device work); a proxy of an earlier count is re-pointed at this one."""
+KERNEL_MODULES = ("moe_gemv", "moe_gemm", "rmsnorm", "qk_norm_rope", "route_topk", "decode_attention", "gemv")
+
+
+@contextlib.contextmanager
+def triton_path(triton: bool):
+    """The fused ops on their Triton kernels as on CUDA (``triton``) or on the CPU's torch path, for the
+    block only: ``fused.FORCE`` is process-wide, and a count must not leave it set for whatever runs next
+    in the process (the test suite's later bf16 parity tests would run on the interpreter)."""
+    from services.engine.models import fused
+
+    old, fused.FORCE = fused.FORCE, triton
+    try:
+        yield
+    finally:
+        fused.FORCE = old
+
+
+@contextlib.contextmanager
+def counted_launches(counter: OpCounter):
+    """Every @triton.jit function of the kernel modules replaced, for the block, by a proxy that counts one
+    op per launch into ``counter`` and runs the real kernel with the counter switched off (the
+    interpreter's own tensor traffic is not device work)."""
+    import importlib
+
     import triton
     from triton.runtime.interpreter import InterpretedFunction
 
-    for name, obj in list(vars(module).items()):
-        if isinstance(obj, _Launch):
-            obj = obj.fn
-        if isinstance(obj, (triton.runtime.JITFunction, InterpretedFunction)):
-            setattr(module, name, _Launch(obj, counter))
+    replaced = []
+    for module in (importlib.import_module(f"kernels.{name}") for name in KERNEL_MODULES):
+        for name, obj in list(vars(module).items()):
+            if isinstance(obj, (triton.runtime.JITFunction, InterpretedFunction)):
+                setattr(module, name, _Launch(obj, counter))
+                replaced.append((module, name, obj))
+    try:
+        yield
+    finally:
+        for module, name, obj in replaced:
+            setattr(module, name, obj)
 
 
 def count_decode_step(model: str, dtype: torch.dtype, kv_len: int, start: int = 5, triton: bool = True) -> OpCounter:
     """One decode step (slot 0, position ``start``, KV window ``kv_len``) of ``model`` on the CPU, counted.
     ``triton``: the fused ops take their Triton kernels as on CUDA (else the torch path of the CPU)."""
-    import importlib
-
-    import kernels.moe_gemv as moe_gemv_module
-    from services.engine.models import fused
     from services.engine.config import EngineConfig, MoEBackend
     from services.engine.models.registry import load_model
     from services.engine.moe.resident import moe_decode
@@ -118,22 +141,16 @@ def count_decode_step(model: str, dtype: torch.dtype, kv_len: int, start: int = 
     ids, pos = torch.tensor([7]), torch.tensor([start])
     batch = ForwardBatch(slots=[0], start_pos=[start], query_lens=[1], kv_len=kv_len,
                          slot_ids=torch.zeros(1, dtype=torch.long))
-    fused.FORCE = triton
-    lm.model(ids, pos, batch, kv)  # warm-up: lazy inits (fused weights, Triton compiles) not counted
-
     counter = OpCounter()
-    _wrap_triton(moe_gemv_module, counter)
-    fused.FORCE = triton
-    for name in ("rmsnorm", "qk_norm_rope", "route_topk", "decode_attention", "gemv"):
-        _wrap_triton(importlib.import_module(f"kernels.{name}"), counter)
-
-    handles = _label_layers(lm, counter)
-    try:
-        with counter:
-            lm.model(ids, pos, batch, kv)
-    finally:
-        for h in handles:
-            h.remove()
+    with triton_path(triton):
+        lm.model(ids, pos, batch, kv)  # warm-up: lazy inits (fused weights, Triton compiles) not counted
+        handles = _label_layers(lm, counter)
+        try:
+            with counted_launches(counter), counter:
+                lm.model(ids, pos, batch, kv)
+        finally:
+            for h in handles:
+                h.remove()
     counter.spec = lm.spec
     return counter
 
@@ -144,11 +161,6 @@ def count_mixed_step(model: str, dtype: torch.dtype, decode_rows: int, prompts: 
     ``decode_rows`` decode rows (one token each at position ``decode_start``), counted. The resident
     runner replays the decode rows apart (``decode_rows=0`` counts its eager part); hybrid and auto run
     the whole step as this one eager forward."""
-    import importlib
-
-    import kernels.moe_gemm as moe_gemm_module
-    import kernels.moe_gemv as moe_gemv_module
-    from services.engine.models import fused
     from services.engine.config import EngineConfig, MoEBackend
     from services.engine.models.registry import load_model
     from services.engine.moe.resident import moe_decode
@@ -169,21 +181,17 @@ def count_mixed_step(model: str, dtype: torch.dtype, decode_rows: int, prompts: 
     starts = [0] * prompts + [decode_start] * decode_rows
     ids = torch.randint(1, vocab, (sum(lens),), generator=gen)
     pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
-    fused.FORCE = triton
-    lm.model(ids, pos, ForwardBatch(slots=list(range(S)), start_pos=starts, query_lens=lens), kv)  # warm-up
-
+    batch = ForwardBatch(slots=list(range(S)), start_pos=starts, query_lens=lens)
     counter = OpCounter()
-    for module in (moe_gemv_module, moe_gemm_module):
-        _wrap_triton(module, counter)
-    for name in ("rmsnorm", "qk_norm_rope", "route_topk", "decode_attention", "gemv"):
-        _wrap_triton(importlib.import_module(f"kernels.{name}"), counter)
-    handles = _label_layers(lm, counter)
-    try:
-        with counter:
-            lm.model(ids, pos, ForwardBatch(slots=list(range(S)), start_pos=starts, query_lens=lens), kv)
-    finally:
-        for h in handles:
-            h.remove()
+    with triton_path(triton):
+        lm.model(ids, pos, batch, kv)  # warm-up
+        handles = _label_layers(lm, counter)
+        try:
+            with counted_launches(counter), counter:
+                lm.model(ids, pos, batch, kv)
+        finally:
+            for h in handles:
+                h.remove()
     counter.spec = lm.spec
     return counter
 
