@@ -141,18 +141,7 @@ def count_decode_step(model: str, dtype: torch.dtype, kv_len: int, start: int = 
     ids, pos = torch.tensor([7]), torch.tensor([start])
     batch = ForwardBatch(slots=[0], start_pos=[start], query_lens=[1], kv_len=kv_len,
                          slot_ids=torch.zeros(1, dtype=torch.long))
-    counter = OpCounter()
-    with triton_path(triton):
-        lm.model(ids, pos, batch, kv)  # warm-up: lazy inits (fused weights, Triton compiles) not counted
-        handles = _label_layers(lm, counter)
-        try:
-            with counted_launches(counter), counter:
-                lm.model(ids, pos, batch, kv)
-        finally:
-            for h in handles:
-                h.remove()
-    counter.spec = lm.spec
-    return counter
+    return _count_forward(lm, ids, pos, batch, kv, triton)
 
 
 def count_mixed_step(model: str, dtype: torch.dtype, decode_rows: int, prompts: int, prompt_len: int,
@@ -182,9 +171,15 @@ def count_mixed_step(model: str, dtype: torch.dtype, decode_rows: int, prompts: 
     ids = torch.randint(1, vocab, (sum(lens),), generator=gen)
     pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
     batch = ForwardBatch(slots=list(range(S)), start_pos=starts, query_lens=lens)
+    return _count_forward(lm, ids, pos, batch, kv, triton)
+
+
+def _count_forward(lm, ids, pos, batch, kv, triton: bool) -> OpCounter:
+    """One forward of ``lm`` counted by layer, after an uncounted one (lazy inits: fused weights, Triton
+    compiles), with the fused ops on Triton (``triton``) or the CPU's torch path for these two only."""
     counter = OpCounter()
     with triton_path(triton):
-        lm.model(ids, pos, batch, kv)  # warm-up
+        lm.model(ids, pos, batch, kv)
         handles = _label_layers(lm, counter)
         try:
             with counted_launches(counter), counter:
