@@ -140,6 +140,8 @@ class Engine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        if self.runner is not None and (self._thread is None or not self._thread.is_alive()):
+            self.runner.close()  # its compile watch (process-wide hooks), once the model thread is done with it
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until serving (for tests and `tandem serve`); raise if loading failed or timed out."""

@@ -83,6 +83,11 @@ class ModelRunner:
         if device.type == "cuda":
             self.compile_watch.start()
 
+    def close(self) -> None:
+        """Stop watching Triton compiles (its hooks are process-wide: a runner left watching would report
+        the next runner's start-up compiles as compiles while serving)."""
+        self.compile_watch.stop()
+
     def recapture(self) -> None:
         """Capture the decode graphs again after the expert backend was rebuilt (an `auto` profile
         reload): the old graphs replay the old backend's buffers. Graphs stay off if they were off."""
