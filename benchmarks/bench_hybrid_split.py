@@ -24,7 +24,8 @@ Per config: ms/token (mean, p50, p99), misses, fetched and CPU experts per layer
 per-layer GPU side (signal -> wait entry: copy of the fetched experts + GEMM of the resident ones), how
 long the GPU then waited for the CPU, and the serial part (the CPU's result in -> the next layer's job
 out: attention, router, split, staging, while the CPU idles), all from the handoff's %globaltimer
-stamps; the CPU executor's time per job and rate, and the controller's final fraction. With
+stamps; the CPU executor's time per job and rate, and the split of the bs=1 bucket (the backend tunes one
+split per batch-size bucket): its final fraction, mode, whether its tuner settled, the tuner's scan. With
 --profile-steps N, the GPU kernels of N more steps (torch.profiler) per config. The fixed caps trace the curve; the controller should land on
 its minimum. Performance lives here, never in unit tests.
 """
@@ -50,8 +51,11 @@ from services.engine.moe.backends import BackendContext
 from services.engine.moe.hybrid import HybridBackend
 from services.engine.moe.offload import OffloadBackend
 from services.engine.moe.prefetch import next_layer_predictors
+from services.engine.moe.split import Q16
 from services.engine.runtime.kv_cache import ForwardBatch
 from services.engine.runtime.runner import ModelRunner
+
+MEASURED_BUCKET = "1"  # the split bucket of a bs=1 decode step
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,25 @@ def cache_counts(backend) -> tuple[int, int, int]:
     return int(s.misses.sum()), int(s.fetched.sum()), ahead
 
 
+def executor_totals(backend: HybridBackend) -> dict:
+    """The CPU executor's jobs, experts, compute seconds and last error so far: the graph-mode poller's
+    counters, or the backend's own (eager decode: the CPU smoke run)."""
+    if backend.graph_mode:
+        return backend.handoff.poll_stats()
+    t = backend.totals
+    return {"jobs": t["cpu_jobs"], "experts": t["cpu_experts"], "compute_s": t["cpu_compute_s"], "error": None}
+
+
+def measured_split(backend: HybridBackend) -> dict:
+    """The split state of the bucket this bench measures: bs=1 decode, bucket "1" (the backend keeps one
+    cost model and tuner per batch-size bucket, services/engine/moe/split_buckets.py)."""
+    state = backend.buckets.states[backend.buckets.by_name[MEASURED_BUCKET]]
+    stats = state.stats()
+    return {"fetch_fraction": state.q16 / Q16,  # what the bucket's split kernels read now
+            "split_mode": stats["mode"], "split_settled": not stats["settling"], "bucket_steps": stats["steps"],
+            "c_sync_us": backend.c_sync_calibrated * 1e6, "tuner": stats["tuner"]}
+
+
 @torch.inference_mode()
 def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict:
     backend = build(lm, config, num_slots)
@@ -144,7 +167,8 @@ def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict
         for _ in range(args.warmup):  # the cache reaches its decode working set; the controller settles
             step()
         counts0 = cache_counts(backend)
-        poll0 = handoff.poll_stats() if stamps is not None else None
+        hybrid = isinstance(backend, HybridBackend)
+        cpu0 = executor_totals(backend) if hybrid else None
         times, gpu_side, waits, serial = [], [], [], []
         for _ in range(args.tokens):
             t0 = time.perf_counter()
@@ -166,16 +190,16 @@ def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict
                "miss_rate": misses / (layers * lm.spec.top_k), "cache_policy": "lfu" if backend.cache.lfu else "lru",
                "lfu_cap": backend.cache.use_cap}
         row["tok_s"] = 1e3 / row["ms_per_token"]
-        if stamps is not None:
-            poll = handoff.poll_stats()
-            cpu_experts, cpu_s = poll["experts"] - poll0["experts"], poll["compute_s"] - poll0["compute_s"]
+        if hybrid:  # cpu and hybrid: the CPU executor's share and the measured bucket's split
+            cpu = executor_totals(backend)
+            cpu_experts, cpu_s = cpu["experts"] - cpu0["experts"], cpu["compute_s"] - cpu0["compute_s"]
             row.update(cpu_experts_per_layer=cpu_experts / layers,
                        cpu_gbs=cpu_experts * backend.expert_bytes / cpu_s / 1e9 if cpu_s else None,
-                       gpu_side_us=statistics.fmean(gpu_side) / 1e3, wait_us=statistics.fmean(waits) / 1e3,
-                       serial_us=statistics.fmean(serial) / 1e3, cpu_job_us=cpu_s / max(1, poll["jobs"] - poll0["jobs"]) * 1e6,
-                       fetch_fraction=backend.stats()["fetch_fraction"], c_sync_us=backend.c_sync_calibrated * 1e6,
-                       tuner=backend.tuner.stats() if backend.tuner is not None else None,
-                       executor_error=poll["error"])
+                       cpu_job_us=cpu_s / max(1, cpu["jobs"] - cpu0["jobs"]) * 1e6,
+                       executor_error=cpu["error"], **measured_split(backend))
+        if stamps is not None:  # graph mode: the handoff's per-layer %globaltimer stamps
+            row.update(gpu_side_us=statistics.fmean(gpu_side) / 1e3, wait_us=statistics.fmean(waits) / 1e3,
+                       serial_us=statistics.fmean(serial) / 1e3)
         if args.profile_steps and lm.device.type == "cuda":
             try:
                 row["kernels"] = kernel_profile(step, args.profile_steps)
@@ -183,6 +207,7 @@ def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict
                 row["kernels_error"] = f"{type(exc).__name__}: {exc}"
         return row
     finally:
+        runner.close()  # its compile watch: the next config's warm-up compiles are not "while serving"
         lm.model.set_backend(None)
         close = getattr(backend, "close", None)
         if close is not None:

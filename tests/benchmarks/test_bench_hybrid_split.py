@@ -58,3 +58,23 @@ def test_fp8_experts_run_every_data_path(tmp_path):
     rows = {r["config"]: r for r in report["rows"]}
     assert rows["offload+p8"]["prefetched_per_layer"] > 0
     assert rows["cpu"]["misses_per_layer"] > 0 and rows["cpu"]["fetched_per_layer"] == 0
+
+
+def test_cpu_and_hybrid_rows_read_the_measured_buckets_split(tmp_path):
+    """The rows of the CPU-side configs come from the split state of bucket 1 (bs=1 decode), on the CPU
+    smoke path as on the GPU: a bench that reads a backend attribute the engine dropped fails here, not on
+    the H200 (it once read one ``tuner`` after the split moved to one tuner per batch-size bucket)."""
+    out = tmp_path / "tiny.json"
+    rc = main(["--device", "cpu", "--model", "synthetic:tiny", "--cache-rate", "0.25", "--configs",
+               "offload,cpu,hybrid:1,hybrid", "--tokens", "4", "--warmup", "30", "--prompt-len", "8",
+               "--max-seq-len", "64", "--json", str(out)])
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    assert not [r["error"] for r in rows.values() if "error" in r] and rc == 0
+    assert all(r["tok_s"] > 0 and r["misses_per_layer"] > 0 for r in rows.values())
+    for config in ("cpu", "hybrid:1", "hybrid"):
+        r = rows[config]
+        assert 0.0 <= r["fetch_fraction"] <= 1.0 and r["bucket_steps"] >= 30 and r["c_sync_us"] > 0
+        assert r["cpu_experts_per_layer"] > 0 and r["cpu_job_us"] > 0 and r["executor_error"] is None
+    assert rows["cpu"]["fetch_fraction"] == 0.0 and rows["cpu"]["split_mode"] == "cpu"
+    assert rows["hybrid"]["tuner"] is not None  # 30 steps: past TUNE_AFTER_STEPS, the bucket's tuner runs
+    assert "fetch_fraction" not in rows["offload"]

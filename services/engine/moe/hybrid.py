@@ -169,7 +169,8 @@ class HybridBackend:
             self.handoff = kind(self.executor, ctx.device, self.buckets.max_tokens, D, ctx.top_k, ctx.dtype)
         self.count_routes = count_routes
         self.routes = {"gpu": 0, "cpu": 0}
-        self.totals = {"cpu_jobs": 0, "cpu_experts": 0, "cpu_routes": 0, "split_steps": 0}
+        # eager mode's CPU work (graph mode: the poller's poll_stats); cpu_compute_s feeds bench_hybrid_split's rate
+        self.totals = {"cpu_jobs": 0, "cpu_experts": 0, "cpu_routes": 0, "cpu_compute_s": 0.0, "split_steps": 0}
         self._step: dict | None = None
         self._events: dict[tuple[int, int], torch.cuda.Event] = {}
         self._graph_prev: tuple[dict, list[int]] | None = None
@@ -241,6 +242,7 @@ class HybridBackend:
         self.totals["cpu_jobs"] += 1
         self.totals["cpu_experts"] += ex.last_experts
         self.totals["cpu_routes"] += ex.last_routes
+        self.totals["cpu_compute_s"] += ex.last_compute_seconds
         if self.count_routes:
             self.routes["gpu"] += int((slot_ids >= 0).sum())
             self.routes["cpu"] += ex.last_routes
