@@ -122,6 +122,13 @@ class EngineConfig:
     prefix_cache: bool = field(True, help="reuse the KV of a prompt's longest prefix already computed (a multi-turn "
                                          "chat's history, a system prompt shared by users) from a finished request's "
                                          "KV slot or a running one, instead of prefilling it again")
+    batch_invariant: bool = field(False, help="a request's tokens do not depend on the requests that share its "
+                                  "steps (greedy texts equal their solo texts, bf16 on a GPU too): every decode "
+                                  "step replays the one CUDA graph of --max-running-requests rows (unused rows "
+                                  "padded), each prompt is prefilled in a forward of its own, the prefix cache is "
+                                  "off. Cost: a decode step of one stream costs what one of --max-running-requests "
+                                  "streams costs, and arrivals are prefilled one per step. resident and offload "
+                                  "only; on --device cpu float32 only (docs/serving.md)")
     served_model_name: str = field("", help="the name(s) clients call the model by, comma-separated (aliases; the "
                                             "first is its id in the engine's info); empty = the checkpoint's own id")
     host: str = field("127.0.0.1", help="address to listen on")
@@ -164,6 +171,7 @@ class EngineConfig:
         if self.moe_prefetch < 0:
             raise ValueError(f"--moe-prefetch must be 0 (off) or positive, got {self.moe_prefetch}")
         self._check_peer_flags()
+        self._check_batch_invariant()
         if self.gpu_memory_limit is not None and self.gpu_memory_limit <= 0:
             raise ValueError(f"--gpu-memory-limit must be positive GiB, got {self.gpu_memory_limit}")
         if self.max_prefill_tokens is not None and self.max_prefill_tokens <= 0:
@@ -171,6 +179,20 @@ class EngineConfig:
         for name in ("max_running_requests", "max_waiting_requests", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+
+    def _check_batch_invariant(self) -> None:
+        """--batch-invariant needs every expert of a step computed by the same kernels whatever the batch
+        (docs/serving.md), and turns the prefix cache off: a hit takes a prompt's K/V from another request's
+        pass and shortens the computed suffix, so its rows would be computed at other batch sizes."""
+        if not self.batch_invariant:
+            return
+        if self.moe_backend not in (MoEBackend.RESIDENT, MoEBackend.OFFLOAD):
+            raise ValueError(f"--batch-invariant needs --moe-backend resident or offload, not "
+                             f"{self.moe_backend.value}: the CPU's share of the experts depends on the batch")
+        if self.device is Device.CPU and self.dtype is DType.BFLOAT16:
+            raise ValueError("--batch-invariant on --device cpu needs --dtype float32: the CPU's matmuls round a "
+                             "row differently at different batch sizes, which bf16 turns into other greedy tokens")
+        self.prefix_cache = False
 
     def _check_peer_flags(self) -> None:
         """--moe-peer-devices names devices of the engine's kind (checked against the host when the cache

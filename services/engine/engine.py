@@ -214,10 +214,11 @@ class Engine:
         self.grammars.warm_in_background()
         self.runner = ModelRunner(self.loaded, cfg.max_running_requests, cfg.max_seq_len, device, dtype,
                                   backend_name=cfg.moe_backend.value, eos_token_ids=self._info["eos_token_ids"],
-                                  masks=TokenMasks(self.grammars.mask_vocab), progress=self._on_progress)
+                                  masks=TokenMasks(self.grammars.mask_vocab), progress=self._on_progress,
+                                  batch_invariant=cfg.batch_invariant)
         self.scheduler = Scheduler(cfg.max_running_requests, cfg.max_waiting_requests, cfg.max_seq_len,
                                    self._info["eos_token_ids"], max_prefill_tokens=cfg.max_prefill_tokens,
-                                   prefix_cache=cfg.prefix_cache)
+                                   prefix_cache=cfg.prefix_cache, one_prompt_per_step=cfg.batch_invariant)
         log.info("loaded %s in %.1f s", self.loaded.model_id, time.monotonic() - t0)
 
     def _on_progress(self, progress: dict) -> None:

@@ -22,6 +22,10 @@ from services.engine.config import EngineConfig
         ({"moe_cache_lfu_cap": 1}, "--moe-cache-lfu-cap"),
         ({"moe_cache_lfu_cap": 1025}, "--moe-cache-lfu-cap"),
         ({"moe_cache_policy": "lfu", "moe_prefetch": 1}, "--moe-cache-policy lfu does not combine with --moe-prefetch"),
+        ({"batch_invariant": True, "moe_backend": "cpu"}, "--batch-invariant needs --moe-backend resident or"),
+        ({"batch_invariant": True, "moe_backend": "hybrid"}, "--batch-invariant needs --moe-backend resident or"),
+        ({"batch_invariant": True, "moe_backend": "auto"}, "--batch-invariant needs --moe-backend resident or"),
+        ({"batch_invariant": True, "dtype": "bfloat16"}, "--batch-invariant on --device cpu needs --dtype float32"),
     ],
 )
 def test_bad_config_names_the_flag(kwargs, flag):
@@ -32,6 +36,29 @@ def test_bad_config_names_the_flag(kwargs, flag):
 def test_good_config():
     cfg = EngineConfig(model="demo", moe_backend="hybrid", moe_cache_rate=0.25, moe_hybrid_max_fetch=0)
     assert cfg.moe_backend.value == "hybrid"
+
+
+def test_batch_invariant_is_off_by_default_and_turns_the_prefix_cache_off():
+    assert not EngineConfig(model="demo").batch_invariant
+    for backend in ("resident", "offload"):
+        cfg = EngineConfig(model="demo", device="cuda", dtype="bfloat16", moe_backend=backend, batch_invariant=True)
+        assert cfg.batch_invariant and not cfg.prefix_cache
+    assert not EngineConfig(model="demo", batch_invariant=True).prefix_cache  # CPU, float32
+
+
+def test_the_cli_refuses_batch_invariant_with_a_cpu_share_in_one_line(capsys):
+    import argparse
+
+    from services.common.settings import add_dataclass_arguments, config_or_exit
+
+    parser = argparse.ArgumentParser()
+    add_dataclass_arguments(parser, EngineConfig)
+    with pytest.raises(SystemExit) as exit_:
+        config_or_exit("tandem serve", EngineConfig,
+                       parser.parse_args(["--model", "demo", "--moe-backend", "hybrid", "--batch-invariant"]))
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith("tandem serve: --batch-invariant")
+    assert "--batch-invariant" in parser.format_help()
 
 
 def test_the_cache_policy_defaults_to_lfu_but_lru_under_the_prefetch():

@@ -59,6 +59,18 @@ class OffloadBackend:
         self.bias = (slots["gate_up_bias"], slots["down_bias"]) if "gate_up_bias" in slots else None  # [S, 2I], [S, D]
         self.scales = quant_kwargs(self.cache.format, slots)  # fp8_block / mxfp4: the slots' scales and format
         self.top_k = ctx.top_k
+        self._check_batch_invariant(ctx.config)
+
+    def _check_batch_invariant(self, config) -> None:
+        """--batch-invariant: a decode step (max_running_requests rows, docs/serving.md) must run as ONE chunk.
+        Chunks take the step's experts by rank, so which chunk holds a route, and the order in which a token's
+        chunk sums are added, would depend on the other rows' experts. (A prompt, prefilled alone, chunks by
+        its own routes only.)"""
+        routes = config.max_running_requests * self.top_k
+        if getattr(config, "batch_invariant", False) and self.cache.num_chunks(routes) > 1:
+            raise ValueError(f"--batch-invariant: a decode step's {routes} routes need {self.cache.num_chunks(routes)} "
+                             f"passes through the {self.cache.num_slots}-slot expert cache; give at least "
+                             f"{min(self.cache.num_experts, routes)} slots or fewer --max-running-requests")
 
     def prefetching(self, topk_ids: torch.Tensor) -> NextLayerPrefetch | None:
         """The prefetcher when this step may use it: decode-sized (T*A <= GATHER_MAX_ROUTES) and slot-safe."""

@@ -23,6 +23,14 @@ size (the backend's ``warm``) and runs one eager prefill, so no JIT compile or l
 request (progress phase "compiling"); a Triton compile after that is logged as a warning naming the kernel's
 specialization (``compile_watch.py``). A step with prompt chunks and decode rows runs the chunks eagerly and
 the decode rows by replay (``_forward_mixed``).
+
+``batch_invariant`` (--batch-invariant, docs/serving.md): a row's arithmetic must not depend on the other rows
+of its step. Every kernel of a decode step computes a row the same way at a given number of rows (cuBLAS picks
+its kernel by M, the expert GEMM its tile config by routes per expert, decode attention its chunks by the
+window), so every decode step runs at ONE size: max_running_requests rows, the unused ones padded (token 0 at
+position 0 of the spare KV slot, which no request owns), by replaying the one graph of that size (only it is
+captured) or, without graphs, eagerly at that size. Each prompt chunk runs in a forward of its own (the
+scheduler gives a step at most one), never packed with another prompt or with decode rows.
 """
 
 from __future__ import annotations
@@ -54,10 +62,11 @@ class ModelRunner:
 
     def __init__(self, loaded, num_slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype,
                  backend_name: str = "resident", eos_token_ids: list[int] = (),
-                 masks: TokenMasks | None = None, progress=None):
+                 masks: TokenMasks | None = None, progress=None, batch_invariant: bool = False):
         """``eos_token_ids``: the ids min_tokens bans until a request has generated enough;
         ``masks``: the grammar masks of constrained rows (default: as wide as the model's vocabulary);
-        ``progress``: gets ``{"phase": "compiling" | "capturing", "done", "total", "fraction"}`` on CUDA."""
+        ``progress``: gets ``{"phase": "compiling" | "capturing", "done", "total", "fraction"}`` on CUDA;
+        ``batch_invariant``: every decode step at max_running_requests rows, prompts alone (module docstring)."""
         from services.engine.runtime.kv_cache import KVCache  # model helper's module
 
         self.loaded = loaded
@@ -71,9 +80,12 @@ class ModelRunner:
         # (`auto` may swap backends later and call recapture()).
         self.graphs_enabled = device.type == "cuda" and env("TANDEM_CUDA_GRAPHS") != "0"
         self._graph_safe_default = backend_name in GRAPH_SAFE_BACKENDS
-        # one spare slot for the padding rows of graph replays
-        self.kv = KVCache(loaded.spec, num_slots + int(self.graphs_enabled), max_seq_len, device, dtype)
+        self.batch_invariant = batch_invariant
+        # one spare slot for padding rows (graph replays, batch-invariant decode steps): no request owns it
+        padded = self.graphs_enabled or batch_invariant
+        self.kv = KVCache(loaded.spec, num_slots + int(padded), max_seq_len, device, dtype)
         self.num_slots = num_slots
+        self.pad_slot = num_slots if padded else None
         self.progress = progress
         if device.type == "cuda":
             self.warm_up()
@@ -135,7 +147,8 @@ class ModelRunner:
 
     def _capture(self) -> None:
         if getattr(self.model.backend, "cuda_graph_safe", self._graph_safe_default):
-            self.graphs = DecodeGraphs(self.model, self.kv, max_batch=self.num_slots, pad_slot=self.num_slots)
+            sizes = [self.num_slots] if self.batch_invariant else None  # None: every size
+            self.graphs = DecodeGraphs(self.model, self.kv, self.num_slots, self.pad_slot, sizes)
             self.graphs.capture(lambda done, total: self._report("capturing", done, total))
         else:
             log.info("expert backend is not CUDA-graph safe: decode steps run eagerly")
@@ -161,7 +174,9 @@ class ModelRunner:
         for src, dst, n in batch.kv_copies:  # prefix-cache hits held by another slot
             self.kv.copy_prefix(src, dst, n)
         logits = None
-        if self.graphs is not None and batch.num_prefill == 0:
+        if self.batch_invariant:
+            logits = self._forward_invariant(batch, ids)
+        elif self.graphs is not None and batch.num_prefill == 0:
             logits = self.graphs.run(batch.input_ids, batch.positions, batch.slots, ids)  # [N, V] or None
         elif self.graphs is not None and ids is None and batch.num_prefill < len(batch.requests):
             logits = self._forward_mixed(batch)  # [N, V] or None
@@ -256,6 +271,39 @@ class ModelRunner:
                                 batch.start_pos[:n], batch.query_lens[:n])
         return torch.cat([self.forward_eager(chunks), decode])  # copies the replay's static output
 
+    def _forward_invariant(self, batch: ScheduledBatch, ids: torch.Tensor | None) -> torch.Tensor:
+        """logits [N, V] of a step computed row for row as in any other batch (module docstring): each
+        prompt chunk in an eager forward of its own, the decode rows padded to max_running_requests rows."""
+        parts, t = [], 0
+        for i in range(batch.num_prefill):
+            n = batch.query_lens[i]
+            parts.append(self.forward_eager(ScheduledBatch(
+                [batch.requests[i]], 1, batch.input_ids[t:t + n], batch.positions[t:t + n], [batch.slots[i]],
+                [batch.start_pos[i]], [n])))
+            t += n
+        if batch.num_prefill < len(batch.requests):
+            parts.append(self._decode_padded(batch.input_ids[t:], batch.positions[t:],
+                                             batch.slots[batch.num_prefill:], ids))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _decode_padded(self, input_ids: list[int], positions: list[int], slots: list[int],
+                       device_ids: torch.Tensor | None) -> torch.Tensor:
+        """logits [n, V] of n decode rows computed at max_running_requests rows: the graph of that size, or
+        eagerly at that size (same padding, the graphs' static window) when there is no graph."""
+        if self.graphs is not None:
+            out = self.graphs.run(input_ids, positions, slots, device_ids)
+            if out is not None:
+                return out
+        from services.engine.runtime.kv_cache import ForwardBatch
+
+        n = len(positions)
+        ids, pos, slots = pad_decode_rows(input_ids, positions, slots, self.num_slots, self.pad_slot)
+        ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [Bmax]
+        if device_ids is not None:
+            ids[:n] = device_ids
+        fb = ForwardBatch(slots=slots, start_pos=pos, query_lens=[1] * len(pos), kv_len=self.kv.max_seq_len)
+        return self.model(ids, torch.tensor(pos, dtype=torch.long, device=self.device), fb, self.kv)[:n]
+
     def forward_eager(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """logits [N, V] of one eager forward; ``input_ids`` [T] on the device replaces the batch's own."""
         from services.engine.runtime.kv_cache import ForwardBatch
@@ -286,14 +334,23 @@ class LaunchedStep:
     launched_at: float = field(default_factory=time.perf_counter)
 
 
+def pad_decode_rows(input_ids: list[int], positions: list[int], slots: list[int], size: int,
+                    pad_slot: int) -> tuple[list[int], list[int], list[int]]:
+    """Decode rows' inputs padded to ``size`` rows: token 0 at position 0 of ``pad_slot`` (the KV cache's
+    spare slot, which no request owns: a padding row writes and reads nothing else)."""
+    pad = size - len(positions)
+    return input_ids + [0] * pad, positions + [0] * pad, slots + [pad_slot] * pad
+
+
 class DecodeGraphs:
     """CUDA graphs of one decode step per padded batch size, sharing one memory pool and one static
-    input buffer ``[3, max_batch]`` (token ids, positions, slots) filled by a single H2D copy."""
+    input buffer ``[3, max_batch]`` (token ids, positions, slots) filled by a single H2D copy.
+    ``sizes``: the batch sizes captured; default every size (no padding rows, module docstring)."""
 
-    def __init__(self, model, kv, max_batch: int, pad_slot: int):
+    def __init__(self, model, kv, max_batch: int, pad_slot: int, sizes: list[int] | None = None):
         self.model, self.kv = model, kv
         self.max_batch, self.pad_slot = max_batch, pad_slot
-        self.sizes = list(range(1, max_batch + 1))  # every size: no padding rows (module docstring)
+        self.sizes = sizes or list(range(1, max_batch + 1))
         self.static = torch.zeros(3, max_batch, dtype=torch.long, device=kv.device)  # [3, Bmax]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # B -> (graph, logits [B, V])
         self._pool = None
@@ -376,10 +433,10 @@ class DecodeGraphs:
         B = next((b for b in sorted(self.graphs) if b >= n), None)
         if B is None:
             return None
-        pad = B - n
         ids = [0] * n if device_ids is not None else input_ids
-        host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [self.pad_slot] * pad],
-                            dtype=torch.long).pin_memory()  # [3, B]
+        host = torch.tensor(pad_decode_rows(ids, positions, slots, B, self.pad_slot), dtype=torch.long)  # [3, B]
+        if self.static.is_cuda:
+            host = host.pin_memory()
         self.static[:, :B].copy_(host, non_blocking=True)
         if device_ids is not None:
             self.static[0, :n].copy_(device_ids)

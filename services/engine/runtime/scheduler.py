@@ -15,6 +15,9 @@ into its slot (``ScheduledBatch.kv_copies``, done by the runner before the forwa
 its prefill then starts after the prefix. The last prompt token is always computed (its logits give the
 first token).
 
+``one_prompt_per_step`` (--batch-invariant): a step holds at most one prompt chunk, which gets the whole
+prefill budget, so a prompt is cut into the same chunks whatever else is waiting or prefilling.
+
 Everything here runs on the engine thread; only ``Request.emit`` crosses to the API side.
 """
 
@@ -130,7 +133,7 @@ class Scheduler:
     """FIFO admission into a fixed set of KV slots; stop checks after each step."""
 
     def __init__(self, max_running: int, max_waiting: int, max_seq_len: int, eos_token_ids: list[int],
-                 max_prefill_tokens: int | None = None, prefix_cache: bool = True):
+                 max_prefill_tokens: int | None = None, prefix_cache: bool = True, one_prompt_per_step: bool = False):
         self.max_running = max_running
         self.max_waiting = max_waiting
         self.max_seq_len = max_seq_len
@@ -143,6 +146,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.free_slots: list[int] = list(range(max_running))  # least recently freed first
         self.prefix_cache = prefix_cache
+        self.one_prompt_per_step = one_prompt_per_step
         self.slot_tokens: dict[int, list[int]] = {}  # free slot -> the tokens whose K/V it still holds
         self.prompt_tokens_total = 0  # prompt tokens of admitted requests
         self.cached_tokens_total = 0  # of those, taken from the prefix cache
@@ -174,13 +178,13 @@ class Scheduler:
         chunks: list[tuple[Request, int]] = []
         budget = self.max_prefill_tokens
         for req in self.running:
-            if req.prefilling and budget > 0:
+            if req.prefilling and budget > 0 and not (self.one_prompt_per_step and chunks):
                 n = min(len(req.prompt_token_ids) - req.num_computed, budget)
                 chunks.append((req, n))
                 budget -= n
         kv_copies: list[tuple[int, int, int]] = []
         admitted: list[Request] = []
-        while self.waiting and self.free_slots and budget > 0:
+        while self.waiting and self.free_slots and budget > 0 and not (self.one_prompt_per_step and chunks):
             req = self.waiting.popleft()
             self._admit(req, kv_copies)
             admitted.append(req)

@@ -181,3 +181,15 @@ def test_offload_backend_from_config(hf_checkpoints, loaded):
     assert backend.cache.num_slots == math.ceil(0.5 * len(lm.banks.layers) * lm.spec.num_experts)
     with pytest.raises(ValueError, match="minimum of 2 slots"):
         build_backend(lm, EngineConfig(model=str(hf_checkpoints["olmoe"].dir), moe_backend="offload", moe_cache_size=1))
+
+
+def test_batch_invariant_needs_a_decode_step_in_one_pass(hf_checkpoints, loaded):
+    """--batch-invariant: 8 rows x top-2 = 16 routes over 8 experts need 8 slots to run as one chunk; with
+    fewer, which chunk a route falls in would depend on the other rows' experts: refused at start."""
+    lm = loaded["qwen3_moe"]
+    cfg = EngineConfig(model=str(hf_checkpoints["qwen3_moe"].dir), moe_backend="offload", batch_invariant=True,
+                       max_running_requests=8)
+    ctx = BackendContext(lm.banks, cfg, lm.device, lm.dtype, lm.spec.top_k, 0)
+    with pytest.raises(ValueError, match="--batch-invariant: a decode step's 16 routes need 2 passes"):
+        OffloadBackend(ctx, num_slots=4)
+    assert OffloadBackend(ctx, num_slots=8).cache.num_chunks(16) == 1

@@ -142,3 +142,17 @@ def test_continue_batch_only_when_nothing_else_is_due():
     first = s2.schedule()
     s2.add(_req("y", [6], outs2, max_tokens=9))  # arrived while x ran, and a slot is free: schedule it next
     assert s2.continue_batch(first) is None
+
+
+def test_one_prompt_per_step_cuts_each_prompt_as_if_it_were_alone():
+    """--batch-invariant (which turns the prefix cache off): a step holds one prompt chunk with the whole
+    budget, so b waits while a prefills and is then prefilled whole, not cut [2, 3] as above (where a's chunk
+    left it 2)."""
+    s, outs = Scheduler(3, 8, 64, [EOS], max_prefill_tokens=6, prefix_cache=False, one_prompt_per_step=True), {}
+    for rid, n in (("a", 4), ("b", 5)):
+        s.add(_req(rid, range(10, 10 + n), outs, max_tokens=2))
+    b = s.schedule()
+    assert [r.request_id for r in b.requests] == ["a"] and b.query_lens == [4]
+    s.postprocess(b, [50])
+    b = s.schedule()  # b whole, then a's decode
+    assert [r.request_id for r in b.requests] == ["b", "a"] and b.query_lens == [5, 1] and b.num_prefill == 1
