@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from benchmarks.gpu_profile import format_kernels, kernel_profile
 from benchmarks.stats import percentile
 from services.engine.config import LFU_CAP_MAX, EngineConfig, MoEBackend
 from services.engine.models.registry import load_model, pin_banks
@@ -218,33 +219,13 @@ def run_config(lm, config: str, num_slots: int, prompt: list[int], args) -> dict
             torch.cuda.empty_cache()
 
 
-def kernel_profile(step, steps: int, top: int = 20) -> list[dict]:
-    """The GPU kernels of ``steps`` decode steps (torch.profiler; CUPTI sees the kernels of graph replays):
-    per kernel name, launches and device microseconds per step, the ``top`` by time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        if us > 0:
-            rows.append({"kernel": e.key[:90], "per_step": e.count / steps, "us_per_step": us / steps,
-                         "us_each": us / e.count})
-    return sorted(rows, key=lambda r: -r["us_per_step"])[:top]
-
-
 def print_kernels(rows: list[dict]) -> None:
     for r in rows:
         if r.get("kernels"):
             total = sum(k["us_per_step"] for k in r["kernels"])
             print(f"\n{r['config']}: GPU kernels per decode step (top {len(r['kernels'])}: {total / 1e3:.2f} ms of "
                   f"{r['ms_per_token']:.2f} ms/token)")
-            print(f"{'us/step':>9} {'launches':>9} {'us each':>8}  kernel")
-            for k in r["kernels"]:
-                print(f"{k['us_per_step']:>9.0f} {k['per_step']:>9.1f} {k['us_each']:>8.1f}  {k['kernel']}")
+            print(format_kernels(r["kernels"]))
 
 
 def print_table(rows: list[dict]) -> None:
