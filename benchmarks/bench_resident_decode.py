@@ -1,6 +1,7 @@
 """bs=1 decode speed of the `resident` backend against the HBM bandwidth bound (issue 2, part 7).
 
     python -m benchmarks.bench_resident_decode [--model synthetic:qwen3-30b-a3b] [--tokens 128] [--json PATH]
+        [--batch N] [--profile-steps K] [--prefill-prompts P]
 
 Loads the model on CUDA in bf16 with every expert resident, measures the device's HBM bandwidth in
 the same run (large device-to-device copy: bytes read + written / time), then decodes ``--tokens``
@@ -8,6 +9,15 @@ tokens at batch size 1, eager and (unless --no-graph) as a captured CUDA graph o
 with each decode expert path (Triton GEMV reading experts in place; torch gather + bmm).
 The bound is ``active weight bytes per token / HBM bandwidth`` (attention, norms, routers, A experts
 per MoE layer, LM head); the ratio says how close decode gets to streaming exactly those bytes.
+
+``--batch N`` (N > 1) decodes N sequences at once through the server's own path instead (runner.DecodeGraphs:
+a graph captured for N rows, inputs copied up from pinned memory each step, the argmax fed back on the
+device): ms per step, tok/s, the distinct experts the N rows route to per layer (one eager step, hooked) and
+what those expert bytes per step imply in GB/s. ``--profile-steps K`` then profiles K more such steps
+(batch_step.py, gpu_profile.py): GPU time by kernel family with its share of the step, and GPU busy vs wall.
+``--prefill-prompts P`` times (and with K profiles) one eager prefill of P packed prompts of --prompt-len
+tokens, and one mixed step as the runner runs it (``_forward_mixed``: 1 prompt eager + the N decode rows
+by replay).
 
 Kernels per decode step (``python -m benchmarks.count_decode_ops``: aten ops + Triton launches of one
 bs=1 decode step, counted on the CPU with the GPU's code path; ~ CUDA kernels):
@@ -35,6 +45,7 @@ import time
 
 import torch
 
+from benchmarks.batch_step import batch_report, print_batch_report
 from services.engine.config import EngineConfig, MoEBackend
 from services.engine.models.registry import load_model
 from services.engine.moe.resident import DecodeKernel
@@ -129,12 +140,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="experts as stored, or quantized to FP8 blocks at load (default: %(default)s)")
     p.add_argument("--decode-kernels", default="triton,torch",
                    help="decode expert paths to measure: triton (GEMV in place), torch (gather + bmm)")
+    p.add_argument("--batch", type=int, default=1,
+                   help="N > 1: decode N sequences per step through the server's CUDA-graph path "
+                        "(default: %(default)s)")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after the timed tokens, profile K more batch-N steps: GPU time by kernel family")
+    p.add_argument("--prefill-prompts", type=int, default=0,
+                   help="also time one eager prefill of P packed prompts of --prompt-len tokens, and a mixed step")
     p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_resident_decode: needs CUDA", file=sys.stderr)
         return 2
-    need = args.prompt_len + 2 * (args.warmup + args.tokens) + 8
+    if args.batch < 1 or args.profile_steps < 0 or args.prefill_prompts < 0:
+        p.error("--batch must be >= 1, --profile-steps and --prefill-prompts >= 0")
+    need = args.prompt_len + 2 * (args.warmup + args.tokens) + args.profile_steps + 8
     if need > args.max_seq_len:
         print(f"--max-seq-len {args.max_seq_len} < {need} positions this run needs", file=sys.stderr)
         return 2
@@ -159,7 +179,11 @@ def main(argv: list[str] | None = None) -> int:
                "hbm_bytes_per_second": bw, "active_weight_bytes_per_token": active,
                "bound_tokens_per_second": bound, "tokens": args.tokens, "modes": {}}
     modes = [("eager", decode_eager)] + ([] if args.no_graph else [("graph", decode_graph)])
-    for kernel in args.decode_kernels.split(","):
+    if args.batch > 1 or args.profile_steps or args.prefill_prompts:  # the server's path at batch N
+        modes = []
+        lm.backend.decode = DecodeKernel("triton")
+        results["batch"] = batch_report(lm, args)
+    for kernel in args.decode_kernels.split(",") if modes else []:
         lm.backend.decode = DecodeKernel(kernel)
         for mode, fn in modes:
             name = f"{mode}/{kernel}"
@@ -175,13 +199,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {args.model} on {results['device']} (bf16, resident), built in {build_s:.1f} s")
     print(f"HBM bandwidth (D2D copy, read+write): {bw / 1e9:.0f} GB/s; active weights/token: {active / 1e9:.2f} GB;"
           f" bound: {bound:.1f} tok/s")
-    print(f"{'mode/decode kernel':<20}{'tok/s':>10}{'ms/token':>10}{'ratio':>8}  kernel used")
+    if results["modes"]:
+        print(f"{'mode/decode kernel':<20}{'tok/s':>10}{'ms/token':>10}{'ratio':>8}  kernel used")
     for name, r in results["modes"].items():
         if "error" in r:
             print(f"{name:<20}  failed: {r['error']}")
         else:
             print(f"{name:<20}{r['tokens_per_second']:>10.1f}{r['ms_per_token']:>10.2f}{r['ratio_to_bound']:>8.2f}"
                   f"  {r['kernel_used']}")
+    if "batch" in results:
+        print_batch_report(results["batch"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
