@@ -138,6 +138,14 @@ async def traffic(engine: Engine, seed: int, count: int, max_prompt: int) -> Non
     for concurrency in (1, 2, SLOTS + 1):
         gate = asyncio.Semaphore(concurrency)
         await asyncio.gather(*(one(i, gate) for i in range(count)))
+    # a prompt sent again once its slot is free: the prefix cache holds all but its last token, so the step
+    # is one 1-token chunk at position 19, an eager forward whose rows are all query_len 1 (ForwardBatch.
+    # is_decode): decode attention outside the graphs, at a window (20) no start-up forward had
+    repeat = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    prompt = [rng.randrange(3, vocab) for _ in range(20)]
+    for n in range(2):
+        async for _ in engine.submit(f"r{seed}-repeat{n}", prompt, repeat):
+            pass
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's launches; on a GPU the test below")

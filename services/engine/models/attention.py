@@ -101,9 +101,14 @@ class Attention(nn.Module):
             v = v.clamp(-self.clip_qkv, self.clip_qkv)
         k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]  # [S, M, K, Dh]
         if batch.is_decode:  # on CUDA one kernel: KV write + attention over the slot's cache in place
-            W = batch.kv_len or (max(batch.start_pos) + 1)
+            # The kernel's window is always the whole cache, as in the captured graphs (kv_len): the kernel
+            # reads only keys below each row's position, and an eager all-query_len-1 forward (a prompt's
+            # 1-token last chunk after a prefix-cache hit or a chunked prefill, a decode batch no graph fits)
+            # then launches the specialization start-up compiled, not one per max(start_pos) + 1 (Triton
+            # keys ints on == 1 and % 16: a 0.3 s compile on that request, tests/kernels/test_warm_covers_requests.py).
             o = fused.call("decode_attention", "decode_attention", "decode_attention", q, k, v, k_cache, v_cache,
-                           batch.slot_tensor(q.device), positions, self.window or 0, W, sinks=self.sinks)  # [B, H, Dh]
+                           batch.slot_tensor(q.device), positions, self.window or 0, batch.kv_len or kv.max_seq_len,
+                           sinks=self.sinks)  # [B, H, Dh]
             if o is None:
                 o = self._decode(q, k, v, positions, batch, k_cache, v_cache, decode_bias)
         else:

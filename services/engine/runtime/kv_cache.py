@@ -22,8 +22,9 @@ class ForwardBatch:
     start_pos: list[int]  # tokens of each sequence already in the cache
     query_lens: list[int]  # new tokens of each sequence in this step (contiguous in the flat input)
     # Optional static window for decode attention (keys [0, kv_len) of each slot, masked by
-    # position). None = max(start_pos) + 1. A CUDA-graph runner fixes it (e.g. max_seq_len) so the
-    # captured shapes never change between replays.
+    # position). None = max(start_pos) + 1 (the torch path; the Triton kernel takes the whole cache
+    # then, models/attention.py: one specialization for every step). A CUDA-graph runner fixes it (e.g.
+    # max_seq_len) so the captured shapes never change between replays.
     kv_len: int | None = None
     # Device copies of `slots` ([B] int64). Built lazily by `slot_tensor`; a CUDA-graph runner sets
     # a static tensor it updates in place before each replay (no host->device copy inside capture).

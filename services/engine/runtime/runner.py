@@ -117,7 +117,8 @@ class ModelRunner:
         kernels at every size class (``backend.warm``: the GEMV, the grouped GEMM with each launch config)
         and one eager prefill forward (cuBLAS / SDPA modules, the prefill path's Triton kernels) into slot 0,
         then the same tokens as two packed prompts into slots 0 and 1 (the biased SDPA kernel of packed
-        prefill); the slots hold nothing yet (the prefix cache only reuses slots that requests freed)."""
+        prefill), then one eager decode step in slot 0; the slots hold nothing yet (the prefix cache only
+        reuses slots that requests freed)."""
         t0 = time.perf_counter()
         self._report("compiling", 0, 2)
         warm = getattr(self.model.backend, "warm", None)
@@ -135,10 +136,16 @@ class ModelRunner:
             h = T // 2
             self.model(ids, torch.cat([pos[:h], pos[:T - h]]),
                        ForwardBatch(slots=[0, 1], start_pos=[0, 0], query_lens=[h, T - h]), self.kv)
+        # one eager decode step (every row query_len 1): what an eager all-1-token forward launches on a request
+        # (a prompt's 1-token last chunk after a prefix-cache hit, graphs off, a batch no graph fits); the
+        # decode attention's window is always the whole cache (attention.py), so this one covers them all
+        p = min(T, self.kv.max_seq_len - 1)
+        self.model(ids[:1], torch.full((1,), p, device=self.device),
+                   ForwardBatch(slots=[0], start_pos=[p], query_lens=[1]), self.kv)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._report("compiling", 2, 2)
-        log.info("kernels warmed in %.1f s (%d expert-kernel calls, a %d-token prefill%s)",
+        log.info("kernels warmed in %.1f s (%d expert-kernel calls, a %d-token prefill%s, an eager decode step)",
                  time.perf_counter() - t0, calls, T, ", then as two packed prompts" if packed else "")
 
     def _report(self, phase: str, done: int, total: int) -> None:
