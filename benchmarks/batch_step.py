@@ -66,8 +66,7 @@ def batch_report(lm, args) -> dict:
     N, L, P, K = args.batch, args.prompt_len, args.prefill_prompts, args.profile_steps
     spec, dev = lm.spec, lm.device
     kv = KVCache(spec, N + P + 2, args.max_seq_len, dev, lm.dtype)
-    graphs = DecodeGraphs(lm.model, kv, max_batch=N, pad_slot=N + P + 1)
-    graphs.sizes = [N]  # the server captures every size 1..N; this measures N alone
+    graphs = DecodeGraphs(lm.model, kv, max_batch=N, pad_slot=N + P + 1, sizes=[N])  # the server: all of 1..N
     graphs.capture()
     if N not in graphs.graphs:
         return {"error": f"no CUDA graph captured for batch {N} (see the log)"}
