@@ -69,18 +69,44 @@ def activation_dtype(banks: ExpertBanks, fp8_activations: str = "bfloat16") -> t
     return getattr(torch, fp8_activations) if dtype == torch.float8_e4m3fn else dtype
 
 
+# mxfp4 banks are filled by tiling a small pool of random bytes: torch's CPU RNG is serial (~0.2 GB/s
+# here), so drawing gpt-oss-120b's 4 layers x 128 experts (6.7 GB of nibbles) byte by byte, or quantizing
+# 13 G normal values, took over 30 s on the H200 host before anything was measured; a copy runs at DRAM
+# speed. For a bandwidth benchmark that is fine: the kernels decode every nibble through the same table
+# and multiply by every scale whatever the bytes are, and no two experts share addresses, so the caches
+# see exactly as much data. The pool's odd length puts each expert at a different offset in it, so the
+# experts still differ (the correctness check below compares real outputs).
+MX_POOL_BYTES = (1 << 24) + 4099
+MX_SCALES = (118, 122)  # E8M0 2^-9 .. 2^-6: N(0, 0.02)-sized weights, gpt-oss's range (no NaN byte 0xFF)
+
+
+def fill_tiled_(t: torch.Tensor, pool: torch.Tensor) -> None:
+    """Fill ``t`` (contiguous) by repeating the 1-d ``pool`` over its bytes (same dtype)."""
+    flat, n = t.view(-1), pool.numel()
+    for start in range(0, flat.numel(), n):
+        chunk = flat[start:start + n]
+        chunk.copy_(pool[:chunk.numel()])
+
+
 def make_banks(dtype: str, layers: int, E: int, D: int, I: int) -> ExpertBanks:
     """Random banks: bf16/fp32 uniform(-0.05, 0.05), fp8_block with random e4m3 codes (no NaN) and scales, or
-    mxfp4 random bytes with E8M0 scales 2^-8 and gpt-oss's zero biases / clamped SwiGLU (bf16 model)."""
+    mxfp4 random bytes (every e2m1 code) with E8M0 scales in MX_SCALES and gpt-oss's zero biases / clamped
+    SwiGLU (bf16 model), tiled from a pool (MX_POOL_BYTES: why)."""
     if dtype == "mxfp4":
         banks = ExpertBanks.allocate(ExpertFormat.MXFP4, layers, E, D, I, torch.bfloat16, bias=True,
                                      activation=ClampedSwiGLU())
+        g = torch.Generator().manual_seed(0)
+        codes = torch.randint(0, 256, (MX_POOL_BYTES,), generator=g, dtype=torch.uint8)
+        scales = torch.randint(MX_SCALES[0], MX_SCALES[1] + 1, (MX_POOL_BYTES // 16 + 1,), generator=g,
+                               dtype=torch.uint8)
         for layer in banks.layers:
             for name, t in layer.tensors.items():
                 if name in ("gate_up", "down"):
-                    t.random_(0, 256)
+                    fill_tiled_(t, codes)
+                elif name.endswith("_scale"):
+                    fill_tiled_(t, scales)
                 else:
-                    t.fill_(119 if name.endswith("_scale") else 0)
+                    t.zero_()
         return banks
     if dtype != "fp8":
         banks = ExpertBanks.allocate(ExpertFormat.UNQUANTIZED, layers, E, D, I, getattr(torch, dtype))
@@ -98,6 +124,35 @@ def make_banks(dtype: str, layers: int, E: int, D: int, I: int) -> ExpertBanks:
             else:
                 t.fill_(1e-3)
     return banks
+
+
+CHECK_TOLERANCE = 2e-2  # max |executor - reference| / max |reference|: bf16 rounding of the SwiGLU output (~2^-9)
+
+
+def check_output(ex: CpuExecutor, banks: ExpertBanks, A: int, dtype: torch.dtype) -> float:
+    """One token routed to A experts of layer 0 against the torch reference on the dequantized experts
+    (only those A: a whole bank would take longer than the benchmark). Returns the max error relative
+    to the output's largest value; RuntimeError above CHECK_TOLERANCE (timing wrong code means nothing)."""
+    from services.engine.moe.dequant import dense_experts
+    from services.engine.moe.reference import moe_reference
+
+    layer = banks.layers[0]
+    E, D = layer.num_experts, layer.tensors["down"].shape[1]
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(1, D, generator=g).to(dtype)  # [1, D]
+    chosen = torch.randperm(E, generator=g)[:A]  # [A]
+    weights = torch.rand(1, A, generator=g)  # [1, A]
+    out = ex.forward(0, hidden, chosen[None], weights)  # [1, D] fp32
+    picked = [layer.tensors[s][chosen] if s in layer.tensors else None
+              for s in ("gate_up", "down", "gate_up_scale", "down_scale")]
+    gate_up, down = dense_experts(layer.format, *picked, torch.float32)  # [A, 2I, D], [A, D, I]
+    bias = None if layer.bias is None else tuple(b[chosen].float() for b in layer.bias)
+    ref = moe_reference(hidden.float(), torch.arange(A)[None], weights, gate_up, down, banks.activation, bias)
+    err = ((out - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
+    if not err <= CHECK_TOLERANCE:
+        raise RuntimeError(f"cpu executor output differs from the reference: max relative error {err:.3g} "
+                           f"(tolerance {CHECK_TOLERANCE})")
+    return err
 
 
 def gemv_trial(ex: CpuExecutor, banks: ExpertBanks, A: int, seconds: float, step0: int, tokens: int,
@@ -160,10 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the results to this path")
     args = p.parse_args(argv)
 
+    t_setup = time.perf_counter()
     banks = make_banks(args.dtype, args.layers, args.experts, args.hidden, args.intermediate)
+    setup_s = time.perf_counter() - t_setup
     dtype = activation_dtype(banks, args.fp8_activations)
     ex = CpuExecutor(banks, num_threads=args.threads or default_num_threads(leave_driver_core=True), isa=args.isa)
     read_buf = torch.ones(args.read_mib * (1 << 20) // 4, dtype=torch.float32)
+    check_err = check_output(ex, banks, args.top_k, dtype)
     gemv_trial(ex, banks, args.top_k, 0.2, 0, args.tokens, dtype)  # warm-up: threads, page tables
 
     reads, gemvs, step = [], [], 0
@@ -182,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         "fp8_kernel": ("dpbf16" if dtype == torch.bfloat16 and ex.fp8_bf16_inputs else "fp32-input") if args.dtype == "fp8" else "",
         "tokens": args.tokens,
         "experts": args.experts, "top_k": args.top_k, "hidden": args.hidden, "intermediate": args.intermediate,
-        "expert_mb": expert_mb,
+        "expert_mb": expert_mb, "check_max_rel_err": check_err, "banks_setup_s": setup_s,
         "read_ceiling_gbs": max(reads) / 1e9, "read_median_gbs": statistics.median(reads) / 1e9,
         "torch_sum_gbs": torch_sum / 1e9,
         "executor_gbs": max(gemvs) / 1e9, "executor_median_gbs": statistics.median(gemvs) / 1e9,
@@ -198,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     kernel = f" ({res['fp8_kernel']} kernel, {res['activations']} activations)" if res["fp8_kernel"] else ""
     print(f"CPU MoE executor · isa {res['isa']} · {res['threads']} threads · {args.dtype}{kernel} · bs={args.tokens} · "
           f"top-{args.top_k} of {args.experts} · expert {args.hidden}x{args.intermediate} ({expert_mb:.1f} MB)")
+    print(f"banks built in {setup_s:.1f} s ({banks.total_nbytes() / 1e9:.2f} GB) · output vs torch reference "
+          f"(one token, layer 0): max relative error {check_err:.2e}")
     print(f"{'measure':<36}{'best GB/s':>12}{'median GB/s':>14}")
     print(f"{'CPU read ceiling (pool, AVX sum)':<36}{res['read_ceiling_gbs']:>12.1f}{res['read_median_gbs']:>14.1f}")
     print(f"{'torch sum (reference)':<36}{res['torch_sum_gbs']:>12.1f}{'':>14}")

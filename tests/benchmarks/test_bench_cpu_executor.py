@@ -1,0 +1,29 @@
+"""bench_cpu_executor's banks and its correctness check: mxfp4 banks tiled from a random pool (fast to
+build, scales in gpt-oss's range, experts distinct) pass the check against the torch reference, and an executor
+5 % off fails it (the check is not vacuous)."""
+
+import pytest
+import torch
+
+from benchmarks.bench_cpu_executor import MX_SCALES, activation_dtype, check_output, make_banks
+from services.engine.moe.cpu_executor import CpuExecutor
+
+
+@pytest.mark.parametrize("dtype", ["mxfp4", "bfloat16", "fp8"])
+def test_banks_pass_the_check_and_a_corrupted_bank_fails(dtype):
+    banks = make_banks(dtype, 2, 8, 96, 64)
+    L = banks.layers[0].tensors
+    if dtype == "mxfp4":
+        assert MX_SCALES[0] <= int(L["gate_up_scale"].min()) and int(L["down_scale"].max()) <= MX_SCALES[1]
+        assert len(torch.unique(L["gate_up"])) == 256  # every byte: every e2m1 code in both nibbles
+        assert not torch.equal(L["gate_up"][0], L["gate_up"][1])  # the pool's tiling leaves experts distinct
+    ex = CpuExecutor(banks, num_threads=2, spin_us=50)
+    try:
+        act = activation_dtype(banks)
+        assert check_output(ex, banks, 4, act) < 2e-2
+        right = ex.forward
+        ex.forward = lambda *a: right(*a) * 1.05  # an executor 5 % off
+        with pytest.raises(RuntimeError, match="differs from the reference"):
+            check_output(ex, banks, 4, act)
+    finally:
+        ex.close()
