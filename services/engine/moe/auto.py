@@ -167,6 +167,11 @@ class AutoBackend:
         """Read by the runner: whether decode steps may be captured (the inner backend's answer)."""
         return getattr(self.inner, "cuda_graph_safe", isinstance(self.inner, OffloadBackend))
 
+    @property
+    def same_split(self):
+        """The inner backend's ``same_split`` (hybrid), else None: read by the runner's replay check."""
+        return getattr(self.inner, "same_split", None)
+
     def warm(self, hidden: torch.Tensor) -> int:
         """Compile the inner backend's kernels before serving (runner.warm_up)."""
         warm = getattr(self.inner, "warm", None)

@@ -43,6 +43,7 @@ c_sync on the H200 host (benchmarks/bench_cpu_executor.py, run 5): graph 22.7 us
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -198,6 +199,17 @@ class HybridBackend:
             state.controller, state.tuner, state.steps = self._make_controller(state.name), None, 0
             state.pinned = None
             self.buckets.write(i)
+
+    @contextlib.contextmanager
+    def same_split(self):
+        """While held, every bucket computes every miss on the CPU (f = 0: nothing fetched, its word in the
+        fraction array, which a captured graph reads too), so passes over the same inputs meet the same
+        cache and split alike; the fractions come back after. For the runner's replay check: without it
+        the eager pass finds the replay's fetches as hits and computes on the GPU what the replay computed
+        on the CPU, and bf16 rounding on the two sides moves a sensitive model's logits far: synthetic
+        gpt-oss-120b (36 layers) by 2-32 % of their largest value (CPU, docs/gpt-oss.md), qwen3 ~2 %."""
+        with self.buckets.all_on_cpu():
+            yield
 
     # ---- the per-layer data path -------------------------------------------------------------------
 

@@ -26,6 +26,8 @@ measured faster). Torch only for the fraction array.
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -130,6 +132,7 @@ class SplitBuckets:
         q = torch.tensor([s.q16 for s in self.states], dtype=torch.int32)
         self.f_q16 = q.pin_memory() if pinned_memory else q.to(device)  # [buckets]
         self._written = [s.q16 for s in self.states]
+        self.held = False  # all_on_cpu(): every word 0, writes deferred
         self.last: int = 0  # the bucket of the last observed step (the headline of stats)
 
     def index(self, tokens: int) -> int | None:
@@ -147,10 +150,24 @@ class SplitBuckets:
     def write(self, i: int) -> int:
         """Publish bucket i's current fraction to the array; returns it (Q16). Pinned: a plain store."""
         q = self.states[i].q16
-        if q != self._written[i]:
+        if q != self._written[i] and not self.held:
             self._written[i] = q
             self.f_q16[i] = q
         return q
+
+    @contextlib.contextmanager
+    def all_on_cpu(self):
+        """Every bucket's word 0 while held (every miss on the CPU, nothing fetched; writes wait), then
+        every bucket's current fraction published."""
+        self.held = True
+        self.f_q16.zero_()
+        try:
+            yield
+        finally:
+            self.held = False
+            for i, state in enumerate(self.states):
+                self._written[i] = state.q16
+                self.f_q16[i] = state.q16
 
     def observe(self, i: int, seconds: float, tokens: int) -> str | None:
         self.last = i

@@ -17,7 +17,8 @@ On CUDA, decode steps (one token per sequence) replay CUDA graphs captured at st
 launches x L layers x ~19 us (docs/design.md §6: ~18 ms/token at 48 layers), a replay one launch, and a
 graph per size means no padding rows (a padding row routes to real experts: with the grouped expert GEMM
 it would add their weight reads to the step). Each graph is checked against an eager forward once after
-capture; a size that fails to capture or to match runs eager (logged), so a backend that is not graph-safe
+capture (hybrid holds its split meanwhile, ``same_split``, so both passes compute each expert on the same
+side; the largest difference is logged); a size that fails to capture or to match runs eager (logged), so a backend that is not graph-safe
 costs speed, never correctness. Before the capture, ``warm_up`` compiles the expert kernels of every step
 size (the backend's ``warm``) and runs one eager prefill, so no JIT compile or lazy module load lands on a
 request (progress phase "compiling"); a Triton compile after that is logged as a warning naming the kernel's
@@ -35,6 +36,7 @@ scheduler gives a step at most one), never packed with another prompt or with de
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -361,6 +363,7 @@ class DecodeGraphs:
         self.static = torch.zeros(3, max_batch, dtype=torch.long, device=kv.device)  # [3, Bmax]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # B -> (graph, logits [B, V])
         self._pool = None
+        self.check_diffs: dict[int, float] = {}  # B -> the replay check's max |replay - eager| / max |eager|
 
     def _batch(self, B: int):
         from services.engine.runtime.kv_cache import ForwardBatch
@@ -390,8 +393,10 @@ class DecodeGraphs:
             if report is not None:
                 report(n, len(sizes))
         got = sorted(self.graphs)
-        log.info("CUDA graphs captured in %.1f s for decode batch sizes %s", time.perf_counter() - t0,
-                 f"1-{got[-1]}" if got == list(range(1, len(got) + 1)) and got else (got or "none"))
+        log.info("CUDA graphs captured in %.1f s for decode batch sizes %s (replay vs eager: max diff %.2g %% of "
+                 "the logits)", time.perf_counter() - t0,
+                 f"1-{got[-1]}" if got == list(range(1, len(got) + 1)) and got else (got or "none"),
+                 100 * max(self.check_diffs.values(), default=0.0))
 
     def _capture_one(self, B: int) -> None:
         ids, pos, batch = self.static[0, :B], self.static[1, :B], self._batch(B)
@@ -415,16 +420,22 @@ class DecodeGraphs:
         self.static[0, :B].copy_(torch.arange(3, 3 + B))
         self.static[1, :B].zero_()
         self.static[2, :B].copy_(torch.arange(B))
-        graph.replay()
-        replayed = out.clone()
-        eager = self.model(self.static[0, :B].clone(), self.static[1, :B].clone(),
-                           ForwardBatch(slots=list(range(B)), start_pos=[0] * B, query_lens=[1] * B), self.kv)
-        # Loose on purpose: bf16 kernels over a longer masked window may round differently, and hybrid's
-        # two passes split differently (the replay's fetches are the eager pass's hits), so an expert
-        # computed by the GPU in one is computed by the CPU in the other (24-layer synthetic model on the
-        # H200: 2.1 % in docs/results/history.md run 15); a frozen decision (wrong slot,
-        # wrong expert) moves logits by their own magnitude.
+        # hybrid: both checked passes must split alike (``same_split``: no fetch while held), or one computes
+        # on the CPU what the other computes on the GPU. A replay before, at the real split, fetches some of
+        # these tokens' experts, so the checked passes compute on both sides.
+        same_split = getattr(self.model.backend, "same_split", None)
+        if same_split is not None:
+            graph.replay()
+        with same_split() if same_split is not None else contextlib.nullcontext():
+            graph.replay()
+            replayed = out.clone()
+            eager = self.model(self.static[0, :B].clone(), self.static[1, :B].clone(),
+                               ForwardBatch(slots=list(range(B)), start_pos=[0] * B, query_lens=[1] * B), self.kv)
+        # Loose on purpose: bf16 kernels over a longer masked window may round differently, and a model whose
+        # logits are sensitive amplifies that; a frozen decision (wrong slot, wrong expert) moves logits by
+        # their own magnitude.
         diff, scale = (replayed - eager).abs().max().item(), eager.abs().max().item()
+        self.check_diffs[B] = diff / max(scale, 1e-30)
         if not diff <= 0.05 * scale + 1e-3:
             raise RuntimeError(f"replay differs from eager: max abs diff {diff:.3g} (logits up to {scale:.3g})")
         self.graphs[B] = (graph, out)
