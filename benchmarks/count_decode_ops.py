@@ -12,6 +12,11 @@ layer it ran in. View/alias ops and allocations launch no kernel and are listed 
 The MoE experts take the decode path the GPU takes (``resident.moe_decode``: Triton GEMV under
 TRITON_INTERPRET here); each Triton launch counts as one op ``triton::<kernel>``. Host syncs
 (``aten::_local_scalar_dense``, ``aten::nonzero``, ...) are counted apart: they break CUDA graphs.
+Python-level reads of tensor values (``.item()``, ``.tolist()``, ``bool``/``int``/``float`` of a tensor,
+``.cpu()``, ``.numpy()``, ``torch.nonzero``/``unique``) and ``torch.tensor`` built from host values (a
+pageable host->device copy on CUDA, which waits for the stream) are tabled apart again (``HOST_CALLS``,
+``OpCounter.host``): on the CPU most of them reach no aten op, and on CUDA each one in a layer stalls the
+host once per layer (tests/benchmarks/test_prefill_host_syncs.py keeps the layers free of them).
 
 Sizes do not change the counts, so the default is the tiny Qwen3-MoE preset in bf16 (bf16 keeps the
 dtype casts that an fp32 run would skip).
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -39,14 +45,24 @@ SYNCS = {"_local_scalar_dense", "nonzero", "item", "_assert_async", "masked_sele
          "_unique2", "bincount", "repeat_interleave"}  # copy a device value to the host
 
 
+# Tensor methods / torch functions that read device values on the host (or copy host values up), counted by
+# ``counted_host_calls`` as "host::<name>" into OpCounter.host.
+HOST_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
+HOST_FUNCTIONS = ("nonzero", "unique", "tensor")
+HOST_CALLS = {f"host::{name}" for name in HOST_METHODS + HOST_FUNCTIONS}
+
+
 class OpCounter(TorchDispatchMode):
-    """Counts aten ops (by short name) into ``self.counts[label]``; ``label`` is set by module hooks."""
+    """Counts aten ops (by short name) into ``self.counts[label]``; ``label`` is set by module hooks.
+    ``paused`` while a Triton kernel runs under the interpreter (its tensor traffic is not the host path's)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.label = "outside layers"
         self.counts: dict[str, Counter] = {}
         self.free: dict[str, Counter] = {}
+        self.host: dict[str, Counter] = {}  # HOST_CALLS by label
+        self.paused = False
 
     def record(self, name: str, free: bool = False) -> None:
         table = self.free if free else self.counts
@@ -73,8 +89,12 @@ class _Launch:
     def __getitem__(self, grid):
         def run(*args, **kwargs):
             self.counter.record(f"triton::{self.fn.__name__}")
-            with _disable_current_modes():
-                return self.fn[grid](*args, **kwargs)
+            self.counter.paused = True
+            try:
+                with _disable_current_modes():
+                    return self.fn[grid](*args, **kwargs)
+            finally:
+                self.counter.paused = False
         return run
 
     def __call__(self, *args, **kwargs):  # a @triton.jit helper called from inside another kernel
@@ -119,6 +139,33 @@ def counted_launches(counter: OpCounter):
     finally:
         for module, name, obj in replaced:
             setattr(module, name, obj)
+
+
+@contextlib.contextmanager
+def counted_host_calls(counter: OpCounter):
+    """Every HOST_METHODS method of torch.Tensor and HOST_FUNCTIONS function of torch wrapped, for the block,
+    to record "host::<name>" into ``counter.host[counter.label]`` (not while a Triton launch is running)."""
+
+    def wrap(name: str, original):
+        def counted(*args, **kwargs):
+            if not counter.paused:
+                counter.host.setdefault(counter.label, Counter())[f"host::{name}"] += 1
+            return original(*args, **kwargs)
+        return counted
+
+    saved = []
+    for owner, names in ((torch.Tensor, HOST_METHODS), (torch, HOST_FUNCTIONS)):
+        for name in names:
+            saved.append((owner, name, owner.__dict__.get(name)))  # None: inherited (TensorBase)
+            setattr(owner, name, wrap(name, getattr(owner, name)))
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
 
 
 def count_decode_step(model: str, dtype: torch.dtype, kv_len: int, start: int = 5, triton: bool = True) -> OpCounter:
@@ -179,11 +226,11 @@ def _count_forward(lm, ids, pos, batch, kv, triton: bool) -> OpCounter:
     compiles), with the fused ops on Triton (``triton``) or the CPU's torch path for these two only."""
     counter = OpCounter()
     with triton_path(triton):
-        lm.model(ids, pos, batch, kv)
+        lm.model(ids, pos, dataclasses.replace(batch, _packed={}), kv)
         handles = _label_layers(lm, counter)
-        try:
-            with counted_launches(counter), counter:
-                lm.model(ids, pos, batch, kv)
+        try:  # a fresh batch, as every served step has: its per-step tables are built in the counted forward
+            with counted_launches(counter), counted_host_calls(counter), counter:
+                lm.model(ids, pos, dataclasses.replace(batch, _packed={}), kv)
         finally:
             for h in handles:
                 h.remove()
@@ -260,10 +307,13 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(kernels.values())
     syncs = sum(n for c in counter.counts.values() for name, n in c.items() if name in SYNCS)
     print(f"\ntotal {total} ops per step, {syncs} host syncs")
+    for label, c in counter.host.items():
+        print(f"host reads / host->device tensors, {label}: " + ", ".join(f"{n} {name}" for name, n in sorted(c.items())))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "dtype": args.dtype, "kv_len": args.kv_len, "mixed": args.mixed, "total": total,
-                       "host_syncs": syncs, "ops": {k: dict(v) for k, v in counter.counts.items()},
+                       "host_syncs": syncs, "host_calls": {k: dict(v) for k, v in counter.host.items()},
+                       "ops": {k: dict(v) for k, v in counter.counts.items()},
                        "free": {k: dict(v) for k, v in counter.free.items()}}, f, indent=2)
     return 0
 
