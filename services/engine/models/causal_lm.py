@@ -18,7 +18,7 @@ from services.engine.models.rope import Rotary
 from services.engine.models.spec import ModelSpec
 from services.engine.moe.backends import ExpertBackend
 from services.engine.moe.layer import MoEBlock
-from services.engine.runtime.kv_cache import ForwardBatch, KVCache
+from services.engine.runtime.kv_cache import ForwardBatch, KVCache, upload
 
 
 class DecoderLayer(nn.Module):
@@ -111,7 +111,7 @@ class MoECausalLM(nn.Module):
         for layer in self.model.layers:
             h, residual = layer(h, residual, positions, cos, sin, batch, kv, bias)
         if not batch.is_decode:  # decode: token i is sequence i's last token already
-            last = torch.tensor(batch.last_token_index(), device=h.device)
+            last = upload(batch.last_token_index(), h.device)  # no sync: the host goes on to sample
             h, residual = h[last], residual[last]  # [B, D]
         h, _ = self.model.norm(h, residual)
         return self.lm_head(h).float()  # [B, V]

@@ -16,6 +16,17 @@ from dataclasses import dataclass, field
 import torch
 
 
+def upload(values: list[int], device: torch.device | str) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device`` without a host sync: on CUDA through pinned memory with a
+    non-blocking copy (a pageable copy, ``torch.tensor(values, device=cuda)``, waits for the stream first: the
+    host stops issuing until the GPU has drained what was queued; the caching host allocator keeps the pinned
+    block until the copy has run)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class ForwardBatch:
     slots: list[int]  # cache slot of each sequence
@@ -151,7 +162,7 @@ class PackedPrefill:
             cols[4] += range(end)
             cols[5] += [i] * end
         T = len(cols[0])
-        flat = torch.tensor([x for c in cols for x in c], dtype=torch.long).to(device)  # one host->device copy
+        flat = upload([x for c in cols for x in c], device)  # one host->device copy, no sync
         tok, keys = flat[:3 * T].view(3, T), flat[3 * T:].view(3, -1)
         return PackedPrefill(tok[0], tok[1], keys[0], keys[1], tok[2], keys[2])
 

@@ -315,11 +315,11 @@ class ModelRunner:
 
     def forward_eager(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """logits [N, V] of one eager forward; ``input_ids`` [T] on the device replaces the batch's own."""
-        from services.engine.runtime.kv_cache import ForwardBatch
+        from services.engine.runtime.kv_cache import ForwardBatch, upload
 
-        if input_ids is None:
-            input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)  # [T]
-        positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)  # [T]
+        if input_ids is None:  # no sync: the previous step may still be running on the device
+            input_ids = upload(batch.input_ids, self.device)  # [T]
+        positions = upload(batch.positions, self.device)  # [T]
         fb = ForwardBatch(slots=batch.slots, start_pos=batch.start_pos, query_lens=batch.query_lens)
         return self.model(input_ids, positions, fb, self.kv)  # [N, V] fp32
 
