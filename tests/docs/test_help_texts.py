@@ -16,6 +16,7 @@ BENCHMARK_MAINS = ["benchmarks.suite", "benchmarks.ceilings", "benchmarks.bench_
                    "benchmarks.bench_resident_decode", "benchmarks.bench_hybrid_split", "benchmarks.bench_gemv",
                    "benchmarks.bench_cpu_executor", "benchmarks.bench_cpu_stream", "benchmarks.sim_expert_cache",
                    "benchmarks.plot_decode", "benchmarks.count_decode_ops", "benchmarks.probe_sdpa_shapes",
+                   "benchmarks.prefill_host_time",
                    "services.profiler.compare"]
 TARGETS = sorted({target.split(":")[0] for target, _ in COMMANDS.values()} | set(BENCHMARK_MAINS))
 NOTEBOOK = re.compile(r"\bruns? \d+|history\.md|benchmarks\.md|physlimits|(?-i:DESIGN" r"\.md)", re.IGNORECASE)
