@@ -39,7 +39,7 @@ _SHARED = {
     "frequency_penalty": _honoured("minus the penalty times the token's count in the output, on the logits"),
     "logit_bias": _honoured("token id -> bias in [-100, 100] added to its logit (greedy requests too)"),
     "n": _honoured("n choices; the prompt is prefilled once, the others copy it from the prefix cache "
-                   "(unless the engine runs --no-prefix-cache); with a seed, choice i uses seed + i"),
+                   "(unless the engine runs --no-prefix-cache or --batch-invariant); with a seed, choice i uses seed + i"),
     "presence_penalty": _honoured("minus the penalty for every token already in the output, on the logits"),
     "seed": _honoured("seeds the request's own generator: the same seed gives the same tokens in any batch"),
     "stop": _honoured("up to 4 strings; the text ends before the first match (finish_reason \"stop\")"),
