@@ -289,7 +289,7 @@ class Executor {
     // bf16 inputs to the dpbf16 kernels: bf16 weights always (where the CPU has the kernel); FP8 weights when
     // the model computes in bf16 (hidden arrives in bf16, so only the SwiGLU output is rounded, as the
     // GPU's bf16 path rounds it). An fp32 model's FP8 experts keep the fp32-input kernel: exact products.
-    // MXFP4 likewise: bf16 inputs quad-split for a bf16 model, fp32 pair-split otherwise (gemv.h).
+    // MXFP4 likewise: bf16 inputs nibble-split for a bf16 model, fp32 pair-split otherwise (gemv.h).
     j.bf16_inputs = j.wdt == WDtype::BF16 ? k_.bf16_wants_bf16_x
                : j.wdt == WDtype::FP8 ? hidden.scalar_type() == torch::kBFloat16 && k_.gemv_fp8_bx != nullptr
                : j.wdt == WDtype::MXFP4 && hidden.scalar_type() == torch::kBFloat16 && k_.gemv_mxfp4_bx != nullptr;
@@ -749,7 +749,7 @@ class Executor {
       std::memcpy(j.x_bf16.data(), j.hidden.data_ptr(), (size_t)T * D * sizeof(uint16_t));
     } else if (R > 0) {
       to_f32(j.hidden, (int64_t)T * D, j.x_f32.data());
-      if (j.wdt == WDtype::MXFP4 && bf16_x()) {  // the bf16-input kernel's quad-split rows (gemv.h)
+      if (j.wdt == WDtype::MXFP4 && bf16_x()) {  // the bf16-input kernel's nibble-split rows (gemv.h)
         for (int64_t t = 0; t < T; ++t)
           for (int64_t i = 0; i < D; ++i) j.x_bf16[t * D + mxfp4_bx_pos(i, D)] = f32_to_bf16(j.x_f32[t * D + i]);
       } else {

@@ -581,14 +581,19 @@ TANDEM_DEFINE_MXFP4_DRIVER(gemv_mxfp4, mxfp4_row)
 }  // namespace avx512
 #pragma GCC pop_options
 
-// MXFP4 with bf16 inputs (bf16 models, AVX-512-BF16): two blocks (32 bytes, 64 weights) per step. The bytes
-// widen to 32 words; vpermw reads an index's low 5 bits, so a 32-entry table (the 16 bf16 e2m1 values
-// twice) decodes the low nibbles as they are and the high ones after a shift by 4. Two vdpbf16ps per
-// token take 64 products into 16 fp32 lanes, lanes 0-7 from the first block and 8-15 from the second,
-// so one FMA with a vector of the two blocks' scales (a blend of two broadcast loads) applies them: per
-// 64 weights 3 port-5 ops (widen, 2 vpermw) against 6 for the fp32-input kernel, and a third of its FMAs.
-// Products are exact (bf16 e2m1 times a bf16 input); the inputs are what is rounded: the hidden state
-// is bf16 already in a bf16 model, the SwiGLU output is rounded to bf16 as the GPU's bf16 path does.
+// MXFP4 with bf16 inputs (bf16 models, AVX-512-BF16): four blocks (64 bytes, 128 weights) per chunk, read
+// as 32 words with no widening. vpermw reads an index's low 5 bits, so a 32-entry table (the 16 bf16 e2m1
+// values twice) decodes nibble 0 of every word as it is, and nibbles 1, 2, 3 after word shifts by 4, 8, 12
+// (bits above the nibble's 4 are ignored or zero). Word j of a chunk holds elements 4j..4j+3, so the
+// inputs come *nibble-split* per chunk (mxfp4_bx_pos). Four vdpbf16ps per token put 128 exact products
+// into 16 fp32 lanes, 4 lanes per block, and one FMA applies the four scales: the chunk's 4 E8M0 bytes,
+// one dword broadcast, vpshufb'd to byte q of 128-bit lane q and shifted to the exponent field (2^(s-127)
+// is the fp32 whose exponent field is s). Per 128 weights: 1 load + 3 shifts + 4 vpermw to decode, 1
+// broadcast + vpshufb + shift for the scales, 4 vdpbf16ps and 1 FMA per token: ~17 ops and 5 port-5 ops,
+// against 2 widening loads, 4 vpermw, 2 shifts, 4 scalar-indexed broadcast loads, 2 blends, 2 FMAs
+// (~33 ops, 6-8 on port 5) for the former kernel that widened 32 bytes to words per step. Products are
+// exact (bf16 e2m1 times a bf16 input); the inputs are what is rounded: the hidden state is bf16 already
+// in a bf16 model, the SwiGLU output is rounded to bf16 as the GPU's bf16 path does.
 static const uint16_t kE2m1Bf16[32] = {
     0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
     0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,
@@ -617,45 +622,58 @@ static const uint16_t kE2m1Bf16[32] = {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
 namespace avx512bf16_mx {
+// One chunk of r blocks (r = 4, or 1..3 for a row's last chunk: masked loads, the absent words decode to
+// 0 and meet zero inputs; the absent scales read 0, so no inf x 0) at W, S against TB tokens' inputs at
+// X[t] (nibble-split: vector q of the chunk, the elements 4j + q, at X[t] + q * 8r), FMA'd into acc[t].
+template <int TB, bool kFull>
+static inline void mxfp4_bx_chunk(const uint8_t* W, const uint8_t* S, int r, const uint16_t* const* X, int64_t x0,
+                                  const __m512i table, __m512* acc) {
+  const __mmask32 m = kFull ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (8 * r)) - 1);
+  const __m512i words = kFull ? _mm512_loadu_si512(W) : _mm512_maskz_loadu_epi16(m, W);
+  const __m512bh n0 = (__m512bh)_mm512_permutexvar_epi16(words, table);
+  const __m512bh n1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
+  const __m512bh n2 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 8), table);
+  const __m512bh n3 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 12), table);
+  int32_t s4;  // the chunk's scale bytes
+  if (kFull) std::memcpy(&s4, S, 4);
+  else s4 = _mm_cvtsi128_si32(_mm_maskz_loadu_epi8((__mmask16)((1u << r) - 1), S));
+  // fp32 lanes 4q..4q+3 (128-bit lane q) hold block q's sums: its scale byte into each dword's low byte
+  const __m512i spread = _mm512_set_epi32(0x80808003, 0x80808003, 0x80808003, 0x80808003, 0x80808002, 0x80808002,
+                                          0x80808002, 0x80808002, 0x80808001, 0x80808001, 0x80808001, 0x80808001,
+                                          0x80808000, 0x80808000, 0x80808000, 0x80808000);
+  const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_shuffle_epi8(_mm512_set1_epi32(s4), spread), 23));
+  const int n = kFull ? 32 : 8 * r;  // words per input vector
+  auto load = [&](const uint16_t* x) { return (__m512bh)(kFull ? _mm512_loadu_si512(x) : _mm512_maskz_loadu_epi16(m, x)); };
+  for (int t = 0; t < TB; ++t) {
+    const uint16_t* x = X[t] + x0;
+    __m512 part = _mm512_dpbf16_ps(_mm512_setzero_ps(), n0, load(x));
+    part = _mm512_dpbf16_ps(part, n1, load(x + n));
+    part = _mm512_dpbf16_ps(part, n2, load(x + 2 * n));
+    part = _mm512_dpbf16_ps(part, n3, load(x + 3 * n));
+    acc[t] = _mm512_fmadd_ps(part, sv, acc[t]);
+  }
+}
+
 template <int TB>
 static inline void mxfp4_bx_row(const uint8_t* W, const uint8_t* S, int nb, const uint16_t* const* X, float* out) {
   const __m512i table = _mm512_loadu_si512(kE2m1Bf16);
-  __m512 acc[TB][2];  // alternate pairs of blocks: two FMA chains per token
-  for (int t = 0; t < TB; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+  __m512 acc[2][TB];  // alternate chunks: two FMA chains per token
+  for (int t = 0; t < TB; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
   int b = 0;
-  for (; b + 2 <= nb; b += 2) {
+  for (; b + 8 <= nb; b += 8) {  // two chunks, two cache lines
     const uint8_t* w = W + b * (kMxBlock / 2);
-    if ((b & 3) == 0) prefetch_ahead(w);  // once per 64 bytes
-    const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
-    const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(words, table);                        // low nibbles
-    const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);  // high ones
-    const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(kE8m0.v[S[b]]), (__mmask16)0xFF00,
-                                         _mm512_set1_ps(kE8m0.v[S[b + 1]]));
-    const int c = (b >> 1) & 1;
-    for (int t = 0; t < TB; ++t) {
-      const uint16_t* x = X[t] + b * kMxBlock;
-      __m512 part = _mm512_dpbf16_ps(_mm512_setzero_ps(), lo, (__m512bh)_mm512_loadu_si512(x));
-      part = _mm512_dpbf16_ps(part, hi, (__m512bh)_mm512_loadu_si512(x + 32));
-      acc[t][c] = _mm512_fmadd_ps(part, sv, acc[t][c]);
-    }
+    prefetch_ahead(w);
+    prefetch_ahead(w + 64);
+    mxfp4_bx_chunk<TB, true>(w, S + b, 4, X, b * kMxBlock, table, acc[0]);
+    mxfp4_bx_chunk<TB, true>(w + 64, S + b + 4, 4, X, (b + 4) * kMxBlock, table, acc[1]);
   }
-  for (int t = 0; t < TB; ++t) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]));
-  if (b < nb) {  // a lone last block, pair-split: the same in 256-bit vectors (16-entry table, 4-bit indices)
-    const uint8_t* w = W + b * (kMxBlock / 2);
-    const __m256i words = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-    const __m256i table16 = _mm512_castsi512_si256(table);
-    const __m256bh lo = (__m256bh)_mm256_permutexvar_epi16(words, table16);
-    const __m256bh hi = (__m256bh)_mm256_permutexvar_epi16(_mm256_srli_epi16(words, 4), table16);
-    for (int t = 0; t < TB; ++t) {
-      const uint16_t* x = X[t] + b * kMxBlock;
-      __m256 part = _mm256_dpbf16_ps(_mm256_setzero_ps(), lo, (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-      part = _mm256_dpbf16_ps(part, hi, (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)));
-      __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(part), _mm256_extractf128_ps(part, 1));
-      s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-      s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
-      out[t] += kE8m0.v[S[b]] * _mm_cvtss_f32(s4);
-    }
+  if (b + 4 <= nb) {
+    prefetch_ahead(W + b * (kMxBlock / 2));
+    mxfp4_bx_chunk<TB, true>(W + b * (kMxBlock / 2), S + b, 4, X, b * kMxBlock, table, acc[0]);
+    b += 4;
   }
+  if (b < nb) mxfp4_bx_chunk<TB, false>(W + b * (kMxBlock / 2), S + b, nb - b, X, b * kMxBlock, table, acc[1]);
+  for (int t = 0; t < TB; ++t) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][t], acc[1][t]));
 }
 TANDEM_DEFINE_MXFP4_BX_DRIVER(gemv_mxfp4_bx, mxfp4_bx_row)
 }  // namespace avx512bf16_mx

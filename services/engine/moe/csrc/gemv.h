@@ -18,9 +18,9 @@
 // a row: row r's at mxscale + r * K / 32, value 2^(s - 127). X comes *pair-split* per 32-block: the 16
 // even elements of the block first, then the 16 odd ones (mxfp4_x_pos), so a byte's two nibbles meet
 // their inputs at the same lane of two vectors and no nibble shuffle is needed. K is a multiple of 32.
-// The bf16-input MXFP4 kernel (vdpbf16ps, bf16 models) takes X *quad-split* per pair of blocks: the
-// evens of block 2g, the evens of block 2g+1, then the odds of both (mxfp4_bx_pos); a last lone block
-// is pair-split.
+// The bf16-input MXFP4 kernel (vdpbf16ps, bf16 models) takes X *nibble-split* per chunk of 4 blocks
+// (128 elements, 64 bytes = 32 words of weights): the elements 4j (j = 0..31), then 4j + 1, 4j + 2,
+// 4j + 3 (mxfp4_bx_pos); a row's last chunk of r < 4 blocks the same with 8r words.
 #pragma once
 #include <cstdint>
 
@@ -33,12 +33,11 @@ constexpr int kMxBlock = 32;    // values per E8M0 scale (services/engine/models
 
 // Where element i of an MXFP4 GEMV's input vector sits in its pair-split layout (see above).
 inline int64_t mxfp4_x_pos(int64_t i) { return (i & ~int64_t{31}) | ((i & 1) << 4) | ((i & 31) >> 1); }
-// ... and in the bf16-input kernel's quad-split layout of a vector of K elements.
+// ... and in the bf16-input kernel's nibble-split layout of a vector of K elements.
 inline int64_t mxfp4_bx_pos(int64_t i, int64_t K) {
-  const int64_t g = i & ~int64_t{63};
-  if (g + 64 > K) return mxfp4_x_pos(i);  // the lone last block
-  const int64_t e = i & 63;
-  return g | ((e & 1) << 5) | ((e >> 5) << 4) | ((e & 31) >> 1);
+  const int64_t chunk = i & ~int64_t{127};
+  const int64_t words = (K - chunk >= 128 ? 128 : K - chunk) / 4;  // 32, or 8 per block of a short last chunk
+  return chunk + (i & 3) * words + ((i & 127) >> 2);
 }
 
 struct GemvArgs {
@@ -70,7 +69,7 @@ struct IsaKernels {
   bool bf16_wants_bf16_x = false;
   ReadFn read = nullptr;       // the CPU read ceiling's kernel (benchmarks)
   GemvFn gemv_mxfp4 = nullptr;  // packed e2m1 weights with E8M0 scales per 32, fp32 X pair-split
-  GemvFn gemv_mxfp4_bx = nullptr;  // the same weights with bf16 X quad-split (vdpbf16ps), or nullptr
+  GemvFn gemv_mxfp4_bx = nullptr;  // the same weights with bf16 X nibble-split (vdpbf16ps), or nullptr
 };
 
 IsaKernels select_kernels(const char* force);
