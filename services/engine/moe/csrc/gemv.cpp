@@ -589,9 +589,10 @@ TANDEM_DEFINE_MXFP4_DRIVER(gemv_mxfp4, mxfp4_row)
 // into 16 fp32 lanes, 4 lanes per block, and one FMA applies the four scales: the chunk's 4 E8M0 bytes,
 // one dword broadcast, vpshufb'd to byte q of 128-bit lane q and shifted to the exponent field (2^(s-127)
 // is the fp32 whose exponent field is s). Per 128 weights: 1 load + 3 shifts + 4 vpermw to decode, 1
-// broadcast + vpshufb + shift for the scales, 4 vdpbf16ps and 1 FMA per token: ~17 ops and 5 port-5 ops,
-// against 2 widening loads, 4 vpermw, 2 shifts, 4 scalar-indexed broadcast loads, 2 blends, 2 FMAs
-// (~33 ops, 6-8 on port 5) for the former kernel that widened 32 bytes to words per step. Products are
+// broadcast + vpshufb + shift for the scales, 4 vdpbf16ps and 1 FMA per token: ~17 ops and 5 port-5 ops
+// besides loop and prefetch, against ~60 instructions (2 widening loads, 4 vpermw, 4 scale loads, 2 masked
+// broadcasts, 2 FMAs, scalar index math) for the former kernel's two 32-byte steps, whose two accumulators,
+// picked by a run-time index, lived on the stack (a store and a reload per step). Products are
 // exact (bf16 e2m1 times a bf16 input); the inputs are what is rounded: the hidden state is bf16 already
 // in a bf16 model, the SwiGLU output is rounded to bf16 as the GPU's bf16 path does.
 static const uint16_t kE2m1Bf16[32] = {
