@@ -32,6 +32,11 @@ import triton.language as tl
 from kernels.ensure_experts_ref import USE_CAP, USE_SHIFT, CacheState, check_args  # noqa: F401
 from kernels.ensure_experts_ref import ensure_experts_reference, num_chunks  # noqa: F401 (re-exported)
 
+# routes are read in blocks of this fixed size, so a step of any number of tokens runs the one compiled variant
+# (a block per power of two of T x top-k compiled a new variant for each new prompt size, on a request's path);
+# 256 lanes cost a decode step's 8 routes nothing in these single-program kernels
+ROUTES_BLOCK = 256
+
 
 @triton.jit
 def count_uses(uses_ptr, base, routed, e_idx, e_mask, n_uses, BLOCK_E: tl.constexpr, USE_CAP: tl.constexpr):
@@ -180,7 +185,7 @@ def ensure_experts(state: CacheState, layer: int, topk_ids: torch.Tensor, slot_i
         ids, slot_ids, state.job_src, state.job_dst, state.job_count,
         state.hits, state.misses, state.fetched, state.work, state.uses,
         layer, N, E, S, chunk * C, C, state.uses.numel(),
-        BLOCK_N=min(1024, triton.next_power_of_2(N)), BLOCK_E=triton.next_power_of_2(E), BLOCK_S=BLOCK_S,
+        BLOCK_N=ROUTES_BLOCK, BLOCK_E=triton.next_power_of_2(E), BLOCK_S=BLOCK_S,
         LFU=lfu, COUNT_USES=count_uses, USE_SHIFT=USE_SHIFT, USE_CAP=use_cap,
         num_warps=4 if BLOCK_S <= 2048 else 8 if BLOCK_S <= 8192 else 16,
     )

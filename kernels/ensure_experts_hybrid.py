@@ -184,7 +184,7 @@ def ensure_experts_hybrid(state: CacheState, layer: int, topk_ids: torch.Tensor,
     GPU slot of each hit/fetched route else -1, cpu_ids [T, A] int64: the expert of each CPU route else
     -1). ``state`` is updated in place; the copy jobs are those of the fetched misses. ``prefer``: [L*E] int32
     on the device, misses with an entry >= 0 fetched first (a peer tier's table)."""
-    from kernels.ensure_experts import ensure_experts
+    from kernels.ensure_experts import ROUTES_BLOCK, ensure_experts
 
     _check_split(state, layer, topk_ids, f_q16, use_cap)
     kernel = _split_kernel()
@@ -199,7 +199,7 @@ def ensure_experts_hybrid(state: CacheState, layer: int, topk_ids: torch.Tensor,
         state.slot_of_id, state.misses, state.work, state.uses, state.uses if prefer is None else prefer,
         ids, gpu_ids, cpu_ids, host_arg(kernel, f_q16) if f_q16.device != ids.device else f_q16,
         layer, N, E, state.num_slots, max_fetch, state.uses.numel(),
-        BLOCK_N=min(1024, triton.next_power_of_2(N)), BLOCK_E=triton.next_power_of_2(E), LFU=lfu,
+        BLOCK_N=ROUTES_BLOCK, BLOCK_E=triton.next_power_of_2(E), LFU=lfu,
         USE_CAP=use_cap,  # the miss ranking only needs it above every count, which it is
         PREFER=prefer is not None,
     )

@@ -44,12 +44,12 @@ def main() -> None:
     for lfu in (False, True):
         n = compile_kernel(ensure._ensure_experts_kernel,
                            {**tables, "topk_ids_ptr": ids, "slot_ids_ptr": ids.int()},
-                           dict(BLOCK_N=8, BLOCK_E=128, BLOCK_S=1024, LFU=lfu, COUNT_USES=True,
+                           dict(BLOCK_N=ensure.ROUTES_BLOCK, BLOCK_E=128, BLOCK_S=1024, LFU=lfu, COUNT_USES=True,
                                 USE_SHIFT=USE_SHIFT, USE_CAP=USE_CAP))
         print(f"ensure_experts lfu={lfu}: {n} bytes")
         n = compile_kernel(split, {**tables, "topk_ids_ptr": ids, "gpu_ids_ptr": ids, "cpu_ids_ptr": ids,
                                    "f_q16_ptr": torch.zeros(1, dtype=torch.int32), "prefer_ptr": state.slot_of_id},
-                           dict(BLOCK_N=8, BLOCK_E=128, LFU=lfu, USE_CAP=USE_CAP, PREFER=lfu))  # a peer tier's table with lfu
+                           dict(BLOCK_N=ensure.ROUTES_BLOCK, BLOCK_E=128, LFU=lfu, USE_CAP=USE_CAP, PREFER=lfu))  # a peer tier's table with lfu
         print(f"split_misses lfu={lfu}: {n} bytes")
     # the graph handoff's wait (one program per block of the CPU's output, each polling the done word)
     i64, f32, bf16 = (torch.zeros(1, dtype=t) for t in (torch.int64, torch.float32, torch.bfloat16))
