@@ -40,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from kernels.ensure_experts_ref import USE_CAP, USE_SHIFT, check_use_cap
-from services.engine.moe.hybrid import split_max_tokens  # above: a call takes the offload path (every miss fetched)
+from services.engine.moe.hybrid_split import split_max_tokens  # above: a call takes the offload path (every miss fetched)
 
 Q16 = 1 << 16
 _PROTECTED = 1 << 62  # a slot hit or taken in this call: never the victim
@@ -94,7 +94,7 @@ class SlotCache:
             raise ValueError(f"unknown policy: evict {evict!r}, fetch {fetch!r}")
         check_use_cap(use_cap)
         self.use_cap = use_cap  # every layer's counts halve when one reaches it (--moe-cache-lfu-cap)
-        # a call of more routes takes the offload path (hybrid.py: the automatic split reaches prompt chunks)
+        # a call of more routes takes the offload path (hybrid_split.py: the automatic split reaches prompt chunks)
         self.max_split_routes = split_max_tokens(max_fetch < 0, max_running_requests) * top_k
         self.E, self.S = num_experts, num_slots
         self.q16, self.max_fetch, self.evict, self.fetch = round(fetch_fraction * Q16), max_fetch, evict, fetch

@@ -28,7 +28,8 @@ from services.common.logging import get_logger
 from services.common.profiles import auto_backend, expected_misses_per_layer, normalize_uuid
 from services.engine.config import MoEBackend
 from services.engine.moe.backends import BackendContext, ExpertBackend, register_backend
-from services.engine.moe.hybrid import SPLIT_MAX_DECODE, HybridBackend, profile_format, profile_prior
+from services.engine.moe.hybrid import HybridBackend
+from services.engine.moe.hybrid_split import SPLIT_MAX_DECODE, profile_format, profile_prior
 from services.engine.moe.offload import OffloadBackend, kv_reserve_bytes
 from services.engine.moe.sizing import CacheGeometry, decide_cache_size
 from services.engine.moe.split_buckets import bucket_name, next_pow2

@@ -15,7 +15,8 @@ chunks; each (token, expert) route computed exactly once):
     GPU expert GEMM        -> slot routes only, through moe_compute (resident.py: the kernel for T)
     sync                   -> wait for the CPU, copy its partial up, add
 The CPU executor reads each of its experts once for all the expert's tokens (routes grouped by expert).
-Steps above SPLIT_MAX_TOKENS tokens (long prompt chunks) take the offload path: every miss fetched.
+Steps above SPLIT_MAX_TOKENS tokens (long prompt chunks) take the offload path: every miss fetched
+(hybrid_split.py: which steps split, the buckets' cost models, c_sync).
 
 The split f is per bucket of tokens per step (1, 2, 4, ... up to the decode cap, then "prefill";
 services/engine/moe/split_buckets.py) and comes from services/engine/moe/split.py in two stages. The
@@ -23,9 +24,10 @@ bucket's cost model (SplitController) gets per step the copy time of the fetched
 compute time and c_sync, and moves f so both sides finish together; at f = 1 (CPU cannot help) layers
 run as plain offload (eager: no CPU submit at all; graph mode: an empty CPU job). After
 TUNE_AFTER_STEPS steps of the bucket its tuner (SplitTuner) takes over: it times a grid of f (0 = every
-miss on the CPU ... 1 = offload) and the model's f on the bucket's time per token (observe_decode_step,
-observe_prefill_step) and searches around the fastest. Both paths share the host DRAM, so the rates
-the model equalises move with f (H200 host: docs/results/history.md runs 8-10).
+miss on the CPU ... 1 = offload) and the model's f on the bucket's time per token and searches around
+the fastest. Both paths share the host DRAM, so the rates the model equalises move with f (H200 host:
+docs/results/history.md runs 8-10). What each step feeds them (observe_decode_step, and in graph mode
+the totals read between steps): hybrid_measure.py.
 `--moe-hybrid-max-fetch N >= 0` fixes the split instead: fetch at most N misses per layer.
 
 Two handoffs on CUDA:
@@ -43,8 +45,6 @@ c_sync on the H200 host (benchmarks/bench_cpu_executor.py, run 5): graph 22.7 us
 
 from __future__ import annotations
 
-import contextlib
-import statistics
 import time
 
 import torch
@@ -54,72 +54,19 @@ from services.engine.config import MoEBackend
 from services.engine.moe.backends import BackendContext, register_backend
 from services.engine.moe.cpu_executor import CpuExecutor, default_num_threads
 from services.engine.moe.cpu_handoff import DeviceHandoff, GraphHandoff
+from services.engine.moe.hybrid_measure import HybridMeasurement
+from services.engine.moe.hybrid_split import SPLIT_MAX_DECODE, HybridSplitControl, profile_prior, split_max_tokens
 from services.engine.moe.offload import OffloadBackend
 from services.engine.moe.resident import moe_compute
-from services.engine.moe.peer_split import make_split_controller
-from services.engine.moe.split import DEFAULT_FRACTION, Q16, SplitController
-from services.engine.moe.split_buckets import TUNE_AFTER_STEPS, SplitBuckets, next_pow2  # noqa: F401 (re-exported)
+from services.engine.moe.split import Q16
+from services.engine.moe.split_buckets import SplitBuckets
 
 log = get_logger("moe.hybrid")
 
-# steps of up to this many tokens may split (the "prefill" bucket above the decode cap); longer prompt
-# chunks take the offload path: at 256 tokens x top-8 over 128 experts each expert has ~16 tokens, the
-# CPU's share is arithmetic, not a DRAM stream, and the handoff's pinned rows stay small (256 x D)
-SPLIT_MAX_TOKENS = 256
-# decode batches above this take the offload path too: the graph handoff's job word carries T in 10 bits
-SPLIT_MAX_DECODE = 512
 
-
-def split_max_tokens(tunable: bool, max_running_requests: int) -> int:
-    """The largest step that splits: SPLIT_MAX_TOKENS with the automatic split; with a fixed one (cpu,
-    --moe-hybrid-max-fetch N) the decode cap, so prompt chunks above it keep the offload path they had
-    before splits reached them (only the tuner can tell whether splitting them pays)."""
-    cap = next_pow2(max(1, min(max_running_requests, SPLIT_MAX_DECODE)))
-    return max(SPLIT_MAX_TOKENS, cap) if tunable else cap
-
-
-def profile_format(ctx: BackendContext) -> tuple[str, str | None]:
-    """(key, fallback) of this model's expert format in a profile (services/common/profiles.format_key): the
-    dtype name for unquantized experts, else the format's name with the model dtype's entry as fallback."""
-    from services.common.profiles import format_key
-
-    dtype = str(ctx.dtype).removeprefix("torch.")
-    fmt = ctx.banks.layers[0].format.value if ctx.banks.layers else "unquantized"
-    key = format_key(fmt, dtype)
-    return key, (dtype if key != dtype else None)
-
-
-def profile_prior(ctx: BackendContext) -> dict:
-    """Controller prior from this GPU's bandwidth profile (concurrent rates, c_sync), or {} without one."""
-    if ctx.device.type != "cuda":
-        return {}
-    try:
-        from services.common.profiles import find_profile, normalize_uuid, resolve_format
-
-        uuid = normalize_uuid(str(torch.cuda.get_device_properties(ctx.device).uuid))
-        found = find_profile(uuid)
-    except Exception as exc:  # noqa: BLE001 - a broken profile must not stop serving; say why
-        log.warning("hybrid: no usable bandwidth profile (%s: %s); starting from f=%.2f", type(exc).__name__, exc,
-                    DEFAULT_FRACTION)
-        return {}
-    if not found:
-        log.info("hybrid: no bandwidth profile for this GPU; starting from f=%.2f and measuring", DEFAULT_FRACTION)
-        return {}
-    profile, path = found
-    key, why = resolve_format(profile, *profile_format(ctx))
-    if why:
-        log.warning("hybrid: %s", why)
-    conc = profile.concurrent.get(key) if key is not None else None
-    if conc is None:
-        return {"c_sync_s": profile.c_sync_s}
-    log.info("hybrid: prior from %s (%s): concurrent pcie %.1f + cpu %.1f GB/s, c_sync %.1f us", path, key,
-             conc.pcie_ov, conc.cpu_ov, profile.c_sync_s * 1e6)
-    return {"prior_fraction": conc.pcie_ov / (conc.pcie_ov + conc.cpu_ov), "pcie_bps": conc.pcie_ov * 1e9,
-            "cpu_bps": conc.cpu_ov * 1e9, "c_sync_s": profile.c_sync_s}
-
-
-class HybridBackend:
-    """`hybrid` (mode HYBRID) and `cpu` (mode CPU: no fetch during decode)."""
+class HybridBackend(HybridSplitControl, HybridMeasurement):
+    """`hybrid` (mode HYBRID) and `cpu` (mode CPU: no fetch during decode). This file: construction and
+    the per-layer data path; the split's cost models in hybrid_split.py, what feeds them in hybrid_measure.py."""
 
     def __init__(self, ctx: BackendContext, mode: MoEBackend = MoEBackend.HYBRID, num_slots: int | None = None,
                  use_triton: bool | None = None, num_threads: int | None = None, count_routes: bool = False,
@@ -176,40 +123,6 @@ class HybridBackend:
         self._events: dict[tuple[int, int], torch.cuda.Event] = {}
         self._graph_prev: tuple[dict, list[int]] | None = None
         self._calibrate_c_sync()
-
-    def _make_controller(self, bucket: str) -> SplitController:
-        """A bucket's cost model. The prefill bucket starts at f = 1 (the offload path, as before splits
-        reached prompt chunks) unless the split is fixed: its tuner then measures whether splitting pays."""
-        prior = dict(self._prior)
-        if bucket == "prefill" and self._tunable:
-            prior["prior_fraction"] = 1.0
-        controller = make_split_controller(self.cache, self.expert_bytes, **prior)  # 3 paths with a peer tier
-        controller.c_sync_s = getattr(self, "c_sync_calibrated", controller.c_sync_s)
-        return controller
-
-    @property
-    def controller(self) -> SplitController:
-        """The cost model of the last observed step's bucket (the stats' headline)."""
-        return self.buckets.states[self.buckets.last].controller
-
-    def reset_split(self, prior: dict) -> None:
-        """New priors for every bucket's cost model (a profile reload): tuners and pins dropped."""
-        self._prior = {**prior, "prior_fraction": prior.get("prior_fraction")}
-        for i, state in enumerate(self.buckets.states):
-            state.controller, state.tuner, state.steps = self._make_controller(state.name), None, 0
-            state.pinned = None
-            self.buckets.write(i)
-
-    @contextlib.contextmanager
-    def same_split(self):
-        """While held, every bucket computes every miss on the CPU (f = 0: nothing fetched, its word in the
-        fraction array, which a captured graph reads too), so passes over the same inputs meet the same
-        cache and split alike; the fractions come back after. For the runner's replay check: without it
-        the eager pass finds the replay's fetches as hits and computes on the GPU what the replay computed
-        on the CPU, and bf16 rounding on the two sides moves a sensitive model's logits far: synthetic
-        gpt-oss-120b (36 layers) by 2-32 % of their largest value (CPU, docs/gpt-oss.md), qwen3 ~2 %."""
-        with self.buckets.all_on_cpu():
-            yield
 
     # ---- the per-layer data path -------------------------------------------------------------------
 
@@ -317,56 +230,6 @@ class HybridBackend:
             prefetch.reserve(layer, hidden)
         return prefetch
 
-    def observe_decode_step(self, seconds: float, tokens: int) -> bool:
-        """Called by the engine after each decode step of ``tokens`` sequences (model thread, between
-        steps). Graph mode feeds the bucket's cost model here (replays run no Python per layer); both
-        modes then let the bucket's tuner move its f on the time per token. Host memory only in graph
-        mode (the executor's totals, the pinned stamps and counters). Never asks for a rebuild."""
-        self.offload.observe_decode_step(seconds, tokens)  # the peer tier's placement refresh
-        self._observe_step(seconds, tokens)
-        return False
-
-    def observe_prefill_step(self, seconds: float, tokens: int) -> None:
-        """As observe_decode_step for a step with prompt tokens (``tokens``: all the step's tokens): the
-        prefill bucket's tuner decides whether its chunks split or take the offload path."""
-        self._observe_step(seconds, tokens)
-
-    def _observe_step(self, seconds: float, tokens: int) -> None:
-        bucket = self.buckets.index(tokens) if tokens > 0 else None
-        if bucket is None:  # nothing ran or a long prompt chunk (offload path, not tuned)
-            self._graph_prev = None  # graph mode: the next step starts a new baseline (offload ran no jobs)
-            return
-        if self.graph_mode:
-            self._observe_graph_step(bucket)
-        line = self.buckets.observe(bucket, seconds, tokens)
-        if line:
-            log.info("hybrid: %s", line)
-
-    @property
-    def settling(self) -> bool:
-        """True while the split of the last observed step's bucket is still being searched."""
-        return self.buckets.states[self.buckets.last].settling
-
-    def _observe_graph_step(self, bucket: int) -> None:
-        """Graph mode: one step's totals for its bucket's cost model: CPU jobs from the executor, the
-        cache's miss/fetch counters and the GPU side's per-layer time (%globaltimer stamps), all mirrored
-        to pinned memory by the kernels (a CUDA call here could land inside a capture)."""
-        poll = self.handoff.poll_stats()
-        counts = self.handoff.counters.sum(dim=0).tolist()  # [2]: misses, fetched (cumulative)
-        if poll["error"]:
-            log.error("cpu executor (graph mode): %s", poll["error"])
-        prev, self._graph_prev = self._graph_prev, (poll, counts)
-        if prev is None or poll["jobs"] <= prev[0]["jobs"]:
-            return
-        prev_poll, prev_counts = prev
-        jobs = poll["jobs"] - prev_poll["jobs"]
-        gpu_side = [enter - sig for sig, enter, _ in self.handoff.stamps.tolist() if sig and enter > sig]
-        self.buckets.states[bucket].controller.observe(
-            layers=jobs, misses=counts[0] - prev_counts[0], fetched=counts[1] - prev_counts[1],
-            fetch_s=jobs * statistics.fmean(gpu_side) * 1e-9 if gpu_side else 0.0,
-            cpu_experts=poll["experts"] - prev_poll["experts"], cpu_s=poll["compute_s"] - prev_poll["compute_s"])
-        self.totals["split_steps"] += 1
-
     def close(self) -> None:
         """Stop the CPU side (graph-mode poller, workers)."""
         if self.graph_mode:
@@ -392,122 +255,6 @@ class HybridBackend:
             ev.record()
             return ev
         return time.perf_counter()
-
-    # ---- per-step measurement and the controller ---------------------------------------------------
-
-    def _counters(self) -> torch.Tensor:
-        s = self.cache.state
-        return torch.stack([s.misses.sum(), s.fetched.sum()])  # [2] int64 on the device
-
-    def _begin_step(self, tokens: int) -> None:
-        """Close the previous step (feed its bucket's controller) and open a new one of ``tokens`` tokens."""
-        prev = self._step
-        if prev is not None and (prev["fetch_marks"] or prev["offload_layers"]):
-            self._finish(prev)
-        bucket = self.buckets.index(tokens)
-        q16 = self.buckets.write(bucket) if bucket is not None else Q16
-        self._step = {"bucket": bucket, "q16": q16, "fetch_marks": [], "offload_layers": 0, "cpu_s": 0.0,
-                      "cpu_experts": 0, "cpu_layers": 0,
-                      "counters": self._counters()}  # device snapshot, read when the step is closed
-
-    def _finish(self, step: dict) -> None:
-        marks = step["fetch_marks"]
-        if not marks:  # backed off: only misses are known (offload layers are not timed)
-            fetch_s = 0.0
-        elif self.device.type == "cuda":
-            marks[-1][1].synchronize()  # the step is long done by now (sampling synced); cheap
-            fetch_s = sum(a.elapsed_time(b) for a, b in marks) * 1e-3
-        else:
-            fetch_s = sum(b - a for a, b in marks)
-        misses, fetched = (self._counters() - step["counters"]).tolist()
-        self.buckets.states[step["bucket"]].controller.observe(
-            layers=len(marks) + step["offload_layers"], misses=misses, fetched=fetched, fetch_s=fetch_s,
-            cpu_experts=step["cpu_experts"], cpu_s=step["cpu_s"])
-        self.totals["split_steps"] += 1
-
-    def _calibrate_c_sync(self, reps: int = 20) -> None:
-        """The fixed per-layer cost of submit + sync: round trips of an empty CPU job (all ids -1). Graph
-        mode times them where decode runs them, inside a captured graph (eager launches and a host sync
-        per round trip would say ~220 us instead of ~25 and push the split toward fetching)."""
-        D = self.executor.banks.layers[0].tensors["down"].shape[1]
-        dtype = self.dtype  # the activations' (an fp8 bank's dtype is not one)
-        hidden = torch.zeros(1, D, dtype=dtype, device=self.device)
-        A = self.handoff.A if self.handoff is not None else 1
-        ids = torch.full((1, A), -1, dtype=torch.int64, device=self.device)
-        w = torch.zeros(1, A, device=self.device)
-        if self.graph_mode:
-            self.c_sync_calibrated = self._graph_round_trip(hidden, ids, w, reps)
-        else:
-            times = []
-            for _ in range(reps):
-                if self.handoff is not None:
-                    torch.cuda.synchronize(self.device)
-                    t0 = time.perf_counter()
-                    self.handoff.submit(0, hidden, ids, w)
-                    self.handoff.sync()
-                    torch.cuda.synchronize(self.device)
-                else:
-                    t0 = time.perf_counter()
-                    self.executor.forward(0, hidden, ids, w)
-                times.append(time.perf_counter() - t0)
-            self.c_sync_calibrated = statistics.median(times)
-        for state in self.buckets.states:
-            state.controller.c_sync_s = self.c_sync_calibrated
-        self._routes_at_start = self.handoff.poll_stats()["routes"] if self.graph_mode else 0
-
-    def _graph_round_trip(self, hidden: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, reps: int) -> float:
-        """Seconds per handoff of ``reps`` empty handoffs captured back to back in one CUDA graph (best of 5
-        replays; graph launch overhead shared by all of them)."""
-        def body() -> None:
-            for _ in range(reps):
-                self.handoff.submit(0, hidden, ids, w)
-                self.handoff.sync_add(0, hidden)
-
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # compile the Triton kernels outside the capture
-            body()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            body()
-        best = float("inf")
-        for _ in range(5):
-            torch.cuda.synchronize(self.device)
-            t0 = time.perf_counter()
-            graph.replay()
-            torch.cuda.synchronize(self.device)
-            best = min(best, time.perf_counter() - t0)
-        del graph
-        return best / reps
-
-    def stats(self) -> dict:
-        cache = self.cache.stats()
-        cache["cpu_computed"] = cache["misses"] - cache["fetched"]
-        last = self.buckets.states[self.buckets.last]  # the headline: the last observed step's bucket
-        split = last.controller.stats()
-        if self.graph_mode:  # the poller counts the jobs; Python never sees them
-            poll = self.handoff.poll_stats()
-            self.totals.update(cpu_jobs=poll["jobs"], cpu_experts=poll["experts"], cpu_routes=poll["routes"])
-        return {
-            "backend": self.mode.value,
-            "cache": cache,
-            "split": {**split, "max_fetch": self.max_fetch, "f_q16": last.q16, "graph_mode": self.graph_mode,
-                      "bucket": last.name, "tuner": last.tuner.stats() if last.tuner is not None else None,
-                      "c_sync_calibrated_seconds": self.c_sync_calibrated, "steps": self.totals["split_steps"],
-                      "max_tokens": self.buckets.max_tokens},
-            "buckets": self.buckets.stats(),  # per bucket of tokens per step: mode, f, controller, tuner
-            "prefetch": self.offload.prefetch.stats() if self.offload.prefetch is not None else None,
-            "cpu_executor": {"isa": self.executor.isa, "threads": self.executor.num_threads,
-                             "jobs": self.totals["cpu_jobs"], "experts_computed": self.totals["cpu_experts"],
-                             "routes_computed": self.totals["cpu_routes"],
-                             "worker_cpus": self.executor.worker_cpus,
-                             "spare_cpus": sorted(self.executor.confined_to),  # where the other threads run
-                             "worker_preemptions": self.executor.worker_preemptions()},
-            "fetch_fraction": last.q16 / Q16,  # in use in that bucket (its tuner's once it runs, else its cost model's)
-            "bandwidth_bytes_per_second": {"pcie": split["pcie_bytes_per_second"], "cpu": split["cpu_bytes_per_second"]},
-            "c_sync_seconds": split["c_sync_seconds"],
-        }
 
 
 @register_backend(MoEBackend.HYBRID)

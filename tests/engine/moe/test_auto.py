@@ -15,9 +15,10 @@ import pytest  # noqa: E402
 from services.common import profiles as P  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.models.registry import build_backend, load_model  # noqa: E402
-from services.engine.moe import auto, hybrid  # noqa: E402
+from services.engine.moe import auto, hybrid_split  # noqa: E402
 from services.engine.moe.hybrid import HybridBackend  # noqa: E402
 from services.engine.moe.offload import OffloadBackend  # noqa: E402
+from services.engine.moe.split_buckets import TUNE_AFTER_STEPS  # noqa: E402
 from tests.common.test_profiles import GPU, make_profile  # noqa: E402
 from tests.helpers import greedy_generate  # noqa: E402
 
@@ -84,7 +85,7 @@ def test_fp8_experts_read_the_fp8_block_entry(hf_checkpoints, tmp_path, monkeypa
     ckpt = hf_checkpoints["qwen3_moe"]
     cfg = EngineConfig(model=str(ckpt.dir), moe_expert_dtype="fp8", moe_backend="auto")
     lm = load_model(cfg, attach_backend=False)
-    assert hybrid.profile_format(SimpleNamespace(dtype=lm.dtype, banks=lm.banks)) == ("fp8_block", "float32")
+    assert hybrid_split.profile_format(SimpleNamespace(dtype=lm.dtype, banks=lm.banks)) == ("fp8_block", "float32")
     monkeypatch.setenv("TANDEM_PROFILES_DIR", str(tmp_path))
     monkeypatch.setattr(auto, "gpu_uuid", lambda device: GPU)
     slow_cpu = fp32_profile(cpu_ov=2.0, pcie_ov=50.0)  # the float32 entry says offload ...
@@ -119,7 +120,7 @@ def test_online_verdict_keeps_the_measured_faster(faster, rebuilds, qwen3, tmp_p
         seen_rebuilds += backend.observe_decode_step(seconds, tokens=2)
         steps += 1
     assert backend.settled and backend.current == faster and seen_rebuilds == rebuilds and not backend.may_rebuild
-    assert steps > auto.WARMUP_STEPS + 2 * auto.TRIAL_STEPS + hybrid.TUNE_AFTER_STEPS  # hybrid's search was waited for
+    assert steps > auto.WARMUP_STEPS + 2 * auto.TRIAL_STEPS + TUNE_AFTER_STEPS  # hybrid's search was waited for
     measured = backend.stats()["auto"]["measured_s_per_token"]  # backend -> bucket -> s/token
     assert measured[faster]["2"] == pytest.approx(0.001) and measured[auto.OTHER[faster]]["2"] == pytest.approx(0.005)
     assert backend.stats()["auto"]["bucket_verdict"] == {"2": faster}
