@@ -48,8 +48,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.common.logging import get_logger, setup_logging
 from services.common.settings import add_dataclass_arguments, config_or_exit, env
 from services.engine.config import EngineConfig
-from services.engine.engine import (Engine, EngineNotReadyError, InvalidRequestError, Maintenance, QueueFullError,
-                                    RequestStream)
+from services.engine.engine import Engine, InvalidRequestError, QueueFullError, RequestStream
+from services.engine.engine_status import EngineNotReadyError, Maintenance
 from services.engine.guard import (ENGINE_TOKEN_ENV, BodyLimit, BodyTooLarge, body_limit_for, engine_token_guard,
                                    exposed_without_token, too_large)
 from services.engine.reports import API_VERSION

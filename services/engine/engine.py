@@ -1,4 +1,6 @@
 """The engine: loads the model, then runs the step loop (schedule -> launch -> collect -> postprocess) on one thread.
+This file: the engine's state, loading, start/stop and the API side (admission); the step loop is in
+step_loop.py, health/info/stats in engine_status.py.
 
 The asyncio side (engine API, or the gateway's in-process client under `tandem serve`) talks to the
 model thread through two things only: ``submit`` (validated at once, raises for 400/429/503, queued in
@@ -9,36 +11,23 @@ The model, the KV cache and the scheduler are touched by the model thread alone.
 from __future__ import annotations
 
 import asyncio
-import enum
 import threading
 import time
 from collections import deque
 from typing import Any, Callable
 
 from services.common.logging import get_logger
-from services.engine.config import DecodeOverlap, EngineConfig
+from services.engine.config import EngineConfig
+from services.engine.engine_status import EngineNotReadyError, EngineStatus, Maintenance
 from services.engine.metrics import EngineMetrics
-from services.engine.reports import build_info, flat_backend_stats, vram_stats
+from services.engine.reports import build_info
 from services.engine.runtime.grammar import GrammarCompiler, TokenMasks
 from services.engine.runtime.sampler import SamplingParams
-from services.engine.runtime.scheduler import (FinishReason, InvalidRequestError, QueueFullError, Request,
-                                               RequestTooLongError, Scheduler)
+from services.engine.runtime.scheduler import (InvalidRequestError, QueueFullError, Request, RequestTooLongError,
+                                               Scheduler)
+from services.engine.step_loop import StepLoop
 
 log = get_logger("engine")
-
-THROUGHPUT_WINDOW_S = 10.0
-STATS_TIMEOUT_S = 30.0  # a step never takes this long; past it the stats come without device counters
-
-
-class Maintenance(str, enum.Enum):
-    LOADING = "loading"
-    SERVING = "serving"
-    RELOADING = "reloading"
-    FAILED = "failed"
-
-
-class EngineNotReadyError(RuntimeError):
-    """The model is still loading (or failed to load); the API answers 503."""
 
 
 class RequestStream:
@@ -84,18 +73,20 @@ class RequestStream:
             self.engine.abort(self.request_id)
 
 
-class Engine:
+class Engine(StepLoop, EngineStatus):
     """Owns the model thread. ``start()`` returns at once; ``health()`` reports the loading progress.
 
-    Why one class (~400 lines) and not one per responsibility (lifecycle, step loop, API side, reports):
-    the four meet in the one piece of state that makes the engine thread-safe, the inbox under ``_cond``
-    that only the model thread drains. ``submit``/``abort``/``call`` append to it, the step loop drains
-    it between steps, loading and reloading switch ``maintenance`` under it, and the reports read the
-    device through ``call``. Split into classes, each would hold a reference to that inbox and to the
-    others' state, and the rule "the model, the KV cache and the scheduler are touched by the model
-    thread alone" would no longer be visible in one place. What does not touch it already lives apart:
-    scheduling (runtime/scheduler.py), the forward and graphs (runtime/runner.py), the stats' shape
-    (reports.py), metrics (metrics.py), the HTTP side (api.py)."""
+    Why one object and not one per responsibility (lifecycle, step loop, API side, reports): the four
+    meet in the one piece of state that makes the engine thread-safe, the inbox under ``_cond`` that
+    only the model thread drains. ``submit``/``abort``/``call`` append to it, the step loop drains it
+    between steps, loading and reloading switch ``maintenance`` under it, and the reports read the
+    device through ``call``. Split into objects, each would hold a reference to that inbox and to the
+    others' state. So the methods live in three files (this one, step_loop.py's StepLoop and
+    engine_status.py's EngineStatus, its base classes) but share the one state, all of it created in
+    ``__init__`` here, where the rule "the model, the KV cache and the scheduler are touched by the
+    model thread alone" stays visible. What does not touch it lives apart: scheduling
+    (runtime/scheduler.py), the forward and graphs (runtime/runner.py), the stats' shape (reports.py),
+    metrics (metrics.py), the HTTP side (api.py)."""
 
     def __init__(self, config: EngineConfig, load: Callable[..., Any] | None = None,
                  on_ready: Callable[[], None] | None = None):
@@ -224,193 +215,6 @@ class Engine:
     def _on_progress(self, progress: dict) -> None:
         self.progress = dict(progress)
 
-    # -- the model thread's loop ---------------------------------------------------------------
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while (not self._inbox and not self.scheduler.has_work() and self._inflight is None
-                       and not self._stop):
-                    self._cond.wait()
-                if self._stop:
-                    break
-                items = list(self._inbox)
-                self._inbox.clear()
-                for item in items:  # adds go to the waiting queue under the lock (exact 429 accounting)
-                    if item[0] == "add":
-                        self.scheduler.waiting.append(item[1])
-            if items:
-                self.drain()  # calls and aborts meet a model with nothing in flight
-            for item in items:
-                if item[0] == "abort":
-                    self._abort(*item[1:])
-                elif item[0] == "call":
-                    _, fn, done = item
-                    try:
-                        done(fn(), None)
-                    except Exception as exc:
-                        done(None, exc)
-            if any(item[0] == "abort" for item in items):
-                self._observe_queues()  # no step may follow (all gone): the gauges must not stay stale
-            self.step()
-        self.drain()
-        self.scheduler.abort_all("shutdown")
-
-    def _abort(self, request_id: str, reason: str = "abort") -> None:
-        """Drop a request. ``reason`` "stop": the gateway ended it on a stop string, a normal finish
-        (counted as finished with reason stop); "abort": the client went away or asked."""
-        req = self.scheduler.abort(request_id)
-        if req is None:
-            return
-        if reason == "stop":
-            self._totals["requests_finished"] += 1
-        else:
-            self._totals["requests_aborted"] += 1
-        self.metrics.observe_request_finished(time.monotonic() - req.arrival_time, reason)
-
-    def _observe_queues(self) -> None:
-        sched = self.scheduler.stats()
-        self.metrics.observe_step(sched["running"], sched["waiting"], sched["kv_usage"])
-
-    def step(self) -> None:
-        """Launch the next forward, then finish the one before it (tokens to the host, stop checks, streams).
-
-        Decode overlap: while the device computes step N, step N+1 of the same requests is launched with
-        step N's samples as its input ids, still on the device (Scheduler.continue_batch), and only then
-        are step N's tokens read. The host's per-token work (postprocess, metrics, the API thread's
-        streaming) then runs while the device computes, instead of between two steps."""
-        done = self._inflight
-        if done is None:
-            batch = self.scheduler.schedule()
-            if batch is None:
-                return
-            done = self._launch(batch)
-            if done is None:
-                return
-        chained = self.scheduler.continue_batch(done.batch) if self._may_chain(done) else None
-        self._inflight = self._launch(chained, after=done) if chained is not None else None
-        self._totals["chained_steps"] += self._inflight is not None
-        self._finish(done)
-        if self._recapture:  # `auto` swapped its backend: the graphs replay the old one's buffers
-            self.drain()
-            self.runner.recapture()
-            self._recapture = False
-
-    def drain(self) -> None:
-        """Finish the step still in flight, if any (before calls, aborts and shutdown see the model)."""
-        while self._inflight is not None:
-            done, self._inflight = self._inflight, None
-            self._finish(done)
-
-    def _may_chain(self, done) -> bool:
-        overlap = self.config.decode_overlap
-        if overlap == DecodeOverlap.OFF or self._inbox or self._recapture or not done.rows:
-            return False  # the inbox's calls and aborts want a quiet model: they are served first
-        if getattr(self.backend, "may_rebuild", False):  # `auto` before its verdict: observing a step may
-            return False  # free buffers and stop the CPU executor that a step in flight still waits on
-        return overlap == DecodeOverlap.ON or self.runner.can_replay(len(done.rows))
-
-    def _launch(self, batch, after=None):
-        """runner.launch, or None after aborting the batch's requests when it fails."""
-        try:
-            return self.runner.launch(batch, after)
-        except Exception:
-            self._forward_failed(batch)
-            return None
-
-    def _forward_failed(self, batch) -> None:
-        log.exception("forward failed for %d requests; aborting them", len(batch.requests))
-        for req in batch.requests:  # each stream ends with finish_reason "abort" (the gateway: 500)
-            self._abort(req.request_id)
-        self._observe_queues()
-
-    def _finish(self, done) -> None:
-        batch = done.batch
-        try:
-            # a launched step's tokens on the host: the step is over (sleeping while a chained one is queued)
-            token_ids = self.runner.collect(done, sleep=self._inflight is not None)
-        except Exception:
-            self._forward_failed(batch)
-            return
-        finished_at = time.perf_counter()
-        # a chained step's time starts when the one before it ended: the period between two steps' tokens
-        seconds = finished_at - max(done.launched_at, self._last_step_end)
-        self._last_step_end = finished_at
-        if batch.num_prefill == 0:
-            self._totals["decode_steps"] += 1
-            self._totals["decode_step_seconds"] += seconds
-        prev = [r.last_token_time for r in batch.requests]
-        # a request can end before its step does: aborted, or stopped by the step a chained one came after
-        ended = [r.finish_reason is not None for r in batch.requests]
-        self.scheduler.postprocess(batch, token_ids, self.runner.logprobs_of(done))
-        now = time.monotonic()
-        generated = sum(t is not None for t in token_ids)
-        self._window.append((now, generated))
-        while self._window[0][0] < now - THROUGHPUT_WINDOW_S:  # pruned here, on the model thread only
-            self._window.popleft()
-        self._totals["steps"] += 1
-        self._totals["tokens_generated"] += generated
-        m = self.metrics
-        sched = self.scheduler.stats()
-        m.observe_step(sched["running"], sched["waiting"], sched["kv_usage"],
-                       prompt_tokens=batch.num_tokens - (len(batch.requests) - batch.num_prefill),
-                       generation_tokens=generated, cached_tokens=batch.cached_tokens)
-        for req, last, tok, was_over in zip(batch.requests, prev, token_ids, ended):
-            if tok is None or was_over:  # a prompt chunk (no token yet), or a token postprocess dropped
-                continue
-            if last is None:
-                m.observe_first_token(now - req.arrival_time)
-            else:
-                m.observe_inter_token(now - last)
-            if req.finish_reason is not None and req.finish_reason != FinishReason.ABORT:
-                self._finished(req, now)
-        self._observe_backend(batch, seconds)
-
-    def _observe_backend(self, batch, seconds: float) -> None:
-        """Step times feed hybrid's per-bucket split and `auto`'s online verdict (decode steps); a rebuilt
-        backend needs new decode graphs. Steps with prompt tokens feed the split of their own bucket."""
-        if batch.num_prefill:
-            observe_prefill = getattr(self.backend, "observe_prefill_step", None)
-            if observe_prefill is not None:
-                observe_prefill(seconds, batch.num_tokens)
-            return
-        observe = getattr(self.backend, "observe_decode_step", None)
-        if observe is not None and observe(seconds, len(batch.requests)):
-            self._recapture = True
-
-    def _finished(self, req: Request, now: float) -> None:
-        self._totals["requests_finished"] += 1
-        total = now - req.arrival_time
-        ttft = (req.first_token_time or now) - req.arrival_time
-        n = len(req.output_token_ids)
-        self.metrics.observe_request_finished(total, req.finish_reason.value)
-        log.debug("request %s: %d prompt + %d completion tokens, finish %s, ttft %.3f s, %.3f s, %.1f tok/s",
-                  req.request_id, len(req.prompt_token_ids), n, req.finish_reason.value, ttft, total,
-                  (n - 1) / max(total - ttft, 1e-9) if n > 1 else 0.0)
-
-    async def refresh_metrics(self) -> None:
-        """Export the expert backend's cumulative counters (called at scrape time, GET /metrics)."""
-        if self.metrics is not None:
-            experts = await self._device_stats()
-            self.metrics.record_backend_stats(experts.get("experts", {}))
-
-    async def _device_stats(self) -> dict:
-        """Backend counters and VRAM, read on the model thread between two steps: a CUDA call from
-        another thread could land inside a graph capture or race a replay. {} unless serving."""
-        if self.maintenance not in (Maintenance.SERVING, Maintenance.RELOADING):
-            return {}
-
-        def read() -> dict:
-            backend = self.backend
-            vram = vram_stats(self.config)
-            raw = backend.stats() if backend is not None and hasattr(backend, "stats") else {}
-            return {"experts": flat_backend_stats(raw),
-                    "vram": vram, "vram_gib": vram["allocated_bytes"] / 2**30 if vram else None}
-
-        try:
-            return await asyncio.wait_for(self.call(read), STATS_TIMEOUT_S)
-        except (asyncio.TimeoutError, EngineNotReadyError):
-            return {}
-
     # -- API side (any thread / the event loop) ------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Queue a request; must be called on the event loop that will consume the stream.
@@ -498,50 +302,5 @@ class Engine:
 
         return await self.call(reload)
 
-    # -- reports -----------------------------------------------------------------------------
-    @property
-    def backend(self):
-        """The expert backend of the loaded model (LoadedModel.backend, else found on the model)."""
-        if self.loaded is None:
-            return None
-        backend = getattr(self.loaded, "backend", None)
-        if backend is None:
-            backend = getattr(self.loaded.model, "backend", None)
-        return backend
 
-    def health(self) -> dict:
-        if self.maintenance == Maintenance.LOADING:
-            return {"status": "loading", "progress": self.progress, "model": self.config.model}
-        out = {"status": "ok", "maintenance": self.maintenance.value, "model": self.config.model,
-               "backend": self.config.moe_backend.value}
-        if self.loaded is not None:
-            out["model_id"] = self.loaded.model_id
-        if self.error:
-            out["error"] = self.error
-        return out
-
-    def info(self) -> dict:
-        if self._info is None:
-            raise EngineNotReadyError(f"engine is {self.maintenance.value}; info is known once the model is loaded")
-        return self._info
-
-    async def stats(self) -> dict:
-        """GET /engine/v1/stats: throughput over the window, requests, KV use, expert counters, VRAM."""
-        now = time.monotonic()
-        window = list(self._window)  # one atomic copy: the model thread appends concurrently
-        tokens = sum(n for t, n in window if t >= now - THROUGHPUT_WINDOW_S)
-        out: dict[str, Any] = {"maintenance": self.maintenance.value, "moe_backend": self.config.moe_backend.value,
-                               "model": self.config.model, "uptime_s": time.time() - self.started_at,
-                               "throughput_window_s": THROUGHPUT_WINDOW_S,
-                               "generation_tokens_per_s": tokens / THROUGHPUT_WINDOW_S, **self._totals}
-        if self.scheduler is not None:
-            out.update(self.scheduler.stats())
-        if self.runner is not None:
-            out.update(self.runner.stats())
-        out.update({"experts": {}, "vram": None, "vram_gib": None, **(await self._device_stats())})
-        out["expert_cache"] = out["experts"]  # older name (tests/deploy reads it); "experts" is the one to use
-        return out
-
-
-__all__ = ["Engine", "EngineNotReadyError", "InvalidRequestError", "Maintenance", "QueueFullError", "RequestStream",
-           "RequestTooLongError"]
+__all__ = ["Engine", "InvalidRequestError", "QueueFullError", "RequestStream", "RequestTooLongError"]

@@ -219,7 +219,8 @@ class InProcessEngineClient:
 
     @staticmethod
     def _raise(exc: Exception):
-        from services.engine.engine import EngineNotReadyError, QueueFullError
+        from services.engine.engine import QueueFullError
+        from services.engine.engine_status import EngineNotReadyError
         from services.engine.runtime.scheduler import InvalidRequestError
 
         if isinstance(exc, QueueFullError):

@@ -2,7 +2,7 @@
 
 ``launch`` queues all of it on the device and returns; ``collect`` waits for the sampled ids on the host
 (``run`` = both). Between the two the engine may launch the next step of the same requests, fed by this
-step's samples on the device (decode overlap, services/engine/engine.py). Rows with a grammar
+step's samples on the device (decode overlap, services/engine/step_loop.py). Rows with a grammar
 (constrained decoding, ``grammar.py``) get their token masks applied to the logits before sampling,
 eager or replayed alike.
 

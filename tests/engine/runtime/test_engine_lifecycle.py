@@ -10,7 +10,8 @@ import time
 import pytest
 
 from services.engine.config import EngineConfig
-from services.engine.engine import Engine, EngineNotReadyError
+from services.engine.engine import Engine
+from services.engine.engine_status import EngineNotReadyError
 from services.engine.models.registry import load_model
 from services.engine.runtime.sampler import SamplingParams
 
