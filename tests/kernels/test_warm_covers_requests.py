@@ -1,9 +1,12 @@
 """No Triton compile on the request path: every kernel specialization that requests of random prompt lengths
 and concurrency launch was already launched by the start-up work (``ModelRunner.warm_up`` and the decode
-graph capture), so on a GPU its binary is in Triton's in-memory cache before the first request.
+graph capture), so on a GPU its binary is in Triton's in-memory cache before the first request. Per expert
+backend: ``resident``; ``offload`` (the cache kernels too: ensure, the fused copy); ``hybrid`` (its split
+kernel at the sizes its eager CPU path splits here, decode steps: it backs off to offload where its fraction
+is 1, so the split's old power-of-two block passed here; test_ensure_launch_fixed.py covers every size).
 
 How (CPU, TRITON_INTERPRET): the model's fused ops and the expert kernels are forced onto Triton
-(``models.fused.FORCE``), and every launch records its specialization key as ``JITFunction.run`` builds it:
+(``models.fused.FORCE``), the expert cache's kernels too (``ExpertCache.use_triton``, CUDA-only by default), and every launch records its specialization key as ``JITFunction.run`` builds it:
 Triton's own binder (``create_function_from_signature`` over the kernel's ``KernelParam``s, each argument
 through ``native_specialize_impl``) gives, per argument, the constexpr value, or the type and its
 specialization: an int equal to 1 becomes a constexpr, an int or a pointer divisible by 16 gets 'D' (not
@@ -148,26 +151,55 @@ async def traffic(engine: Engine, seed: int, count: int, max_prompt: int) -> Non
             pass
 
 
+# kernels the requests must have launched (a path fallen back to torch would make the check vacuous): the
+# model's and the expert GEMM's, plus per backend its cache kernels (ensure or hybrid's split, the fused copy)
+MODEL_KERNELS = {"_rms_norm_kernel", "_route_topk_kernel", "_gate_up_kernel"}
+CACHE_KERNELS = {"resident": set(), "offload": {"_ensure_experts_kernel", "_copy_jobs_kernel"},
+                 "hybrid": {"_split_misses_kernel", "_copy_jobs_kernel"}}
+# offload and hybrid: 6 of tiny's 16 experts (2 layers x 8) in slots, so prefills miss, fetch and chunk
+CACHE = dict(moe_cache_rate=0.375)
+
+
+def cache_on_triton(monkeypatch) -> None:
+    """The expert cache's kernels (ensure, hybrid's split, the fused copy) run on the device's tensors only on
+    CUDA by default (ExpertCache.use_triton); here on the CPU's too, under the interpreter."""
+    from services.engine.moe.cache import ExpertCache
+
+    init = ExpertCache.__init__
+
+    def init_on_triton(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.use_triton = True
+
+    monkeypatch.setattr(ExpertCache, "__init__", init_on_triton)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's launches; on a GPU the test below")
-def test_requests_launch_no_kernel_specialization_that_start_up_did_not(monkeypatch):
+@pytest.mark.parametrize("backend", ["resident", "offload", "hybrid"])
+def test_requests_launch_no_kernel_specialization_that_start_up_did_not(monkeypatch, backend):
     monkeypatch.setattr(fused, "FORCE", True)
-    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", max_running_requests=SLOTS,
-                                 max_waiting_requests=64, max_seq_len=MAX_LEN))
+    cfg = dict(model="synthetic:tiny", device="cpu", moe_backend=backend, max_running_requests=SLOTS,
+               max_waiting_requests=64, max_seq_len=MAX_LEN)
+    if backend != "resident":
+        cache_on_triton(monkeypatch)
+        cfg.update(CACHE, moe_cpu_threads=1)
+    engine = Engine(EngineConfig(**cfg))
     engine.start()
     try:
         engine.wait_ready(120)
         recorder = LaunchKeys()
         recorder.install(monkeypatch)
         graphs = start_up(engine, recorder)
-        assert engine.loaded.model.backend.decode.kind == "triton"
+        if backend == "resident":
+            assert engine.loaded.model.backend.decode.kind == "triton"
         warmed = set(recorder.keys)
         recorder.keys.clear()
         replay = SilentReplay(graphs, recorder)
         engine.runner.graphs = replay
         asyncio.run(traffic(engine, seed=0, count=6, max_prompt=40))
         assert replay.replays > 0
-        launched = {k[0] for k in recorder.keys}  # the prefill path's kernels, experts included
-        assert {"_rms_norm_kernel", "_route_topk_kernel", "_gate_up_kernel"} <= launched, launched
+        launched = {k[0].rsplit(".", 1)[-1] for k in recorder.keys}  # kernel names (hybrid's split is nested)
+        assert MODEL_KERNELS | CACHE_KERNELS[backend] <= launched, launched
         missed = sorted(recorder.keys - warmed, key=str)
         assert not missed, "compiled on the request path:\n" + "\n".join(map(str, missed))
     finally:
@@ -176,7 +208,7 @@ def test_requests_launch_no_kernel_specialization_that_start_up_did_not(monkeypa
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("backend", ["resident", "hybrid"])
+@pytest.mark.parametrize("backend", ["resident", "offload", "hybrid"])
 def test_no_compile_after_start_on_cuda(backend):
     """The real thing: after an engine reports ready (warm-up and capture done), random traffic makes Triton
     compile nothing (the runner's CompileWatch counts Triton's own compile hooks). Qwen3-30B-A3B's routing
@@ -184,7 +216,7 @@ def test_no_compile_after_start_on_cuda(backend):
     configs and hybrid's split sizes up to its 256-token cap."""
     cfg = dict(model="synthetic:qwen3-moe-mini", device="cuda", dtype="bfloat16", moe_backend=backend,
                max_running_requests=SLOTS, max_waiting_requests=64, max_seq_len=512)
-    if backend == "hybrid":
+    if backend != "resident":
         cfg.update(moe_cache_rate=0.25, moe_cpu_threads=2)
     engine = Engine(EngineConfig(**cfg))
     engine.start()
