@@ -115,8 +115,9 @@ def _split_kernel():
     import triton.language as tl
     from kernels.ensure_experts import count_uses, experts_present
 
-    # layer and N (= T x A routes) change per call: not specialized (one compile, the routes' block being fixed,
-    # which the start-up warm-up meets at one layer; specialized, layer 1, layers % 16 and N % 16 were variants of their own)
+    # layer and N (= T x A routes) change per call: not specialized (one compile, the routes' block being
+    # fixed, which the start-up warm-up meets at one layer; specialized, layer 1, layers % 16 and N % 16 were
+    # variants of their own)
     @triton.jit(do_not_specialize=["layer", "N"])
     def _split_misses_kernel(
         # cache tables (read) and counters (accumulated)

@@ -6,7 +6,8 @@ kernel at the sizes its eager CPU path splits here, decode steps: it backs off t
 is 1, so the split's old power-of-two block passed here; test_ensure_launch_fixed.py covers every size).
 
 How (CPU, TRITON_INTERPRET): the model's fused ops and the expert kernels are forced onto Triton
-(``models.fused.FORCE``), the expert cache's kernels too (``ExpertCache.use_triton``, CUDA-only by default), and every launch records its specialization key as ``JITFunction.run`` builds it:
+(``models.fused.FORCE``), the expert cache's kernels too (``ExpertCache.use_triton``, CUDA-only by
+default), and every launch records its specialization key as ``JITFunction.run`` builds it:
 Triton's own binder (``create_function_from_signature`` over the kernel's ``KernelParam``s, each argument
 through ``native_specialize_impl``) gives, per argument, the constexpr value, or the type and its
 specialization: an int equal to 1 becomes a constexpr, an int or a pointer divisible by 16 gets 'D' (not
