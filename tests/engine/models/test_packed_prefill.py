@@ -51,18 +51,24 @@ def _reference(q, k, v, batch: ForwardBatch, k_cache, v_cache, window):
 STEP = [(3, 0, 7), (0, 0, 5), (5, 20, 9), (1, 30, 1), (2, 4, 1)]
 
 
+def _step_inputs(seed: int):
+    """STEP's batch, random q/k/v for its tokens and random K/V caches (fp32, CPU)."""
+    g = torch.Generator().manual_seed(seed)
+    batch = ForwardBatch(slots=[s for s, _, _ in STEP], start_pos=[p for _, p, _ in STEP],
+                         query_lens=[n for _, _, n in STEP])
+    q, k, v = (torch.randn(batch.num_tokens, h, Dh, generator=g) for h in (H, K, K))
+    k_cache, v_cache = torch.randn(S, M, K, Dh, generator=g), torch.randn(S, M, K, Dh, generator=g)
+    return batch, q, k, v, k_cache, v_cache
+
+
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("packed", [True, False])
 def test_prefill_matches_naive_attention(window, packed, monkeypatch):
     if not packed:
         monkeypatch.setattr(attention_module, "PACK_MAX_ELEMENTS", 0)
-    g = torch.Generator().manual_seed(3)
     attn = _attention(window)
-    batch = ForwardBatch(slots=[s for s, _, _ in STEP], start_pos=[p for _, p, _ in STEP],
-                         query_lens=[n for _, _, n in STEP])
+    batch, q, k, v, k_cache, v_cache = _step_inputs(3)
     T = batch.num_tokens
-    q, k, v = (torch.randn(T, h, Dh, generator=g) for h in (H, K, K))
-    k_cache, v_cache = torch.randn(S, M, K, Dh, generator=g), torch.randn(S, M, K, Dh, generator=g)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     calls = []
     real_sdpa = F.scaled_dot_product_attention
@@ -98,13 +104,8 @@ def test_on_cuda_bf16_packed_matches_and_runs_no_cudnn_kernel(window):
     plan per new shape is what PREFILL_BACKENDS keeps off the request path)."""
     from torch.profiler import ProfilerActivity, profile
 
-    g = torch.Generator().manual_seed(5)
     attn = _attention(window).cuda()
-    batch = ForwardBatch(slots=[s for s, _, _ in STEP], start_pos=[p for _, p, _ in STEP],
-                         query_lens=[n for _, _, n in STEP])
-    T = batch.num_tokens
-    q, k, v = (torch.randn(T, h, Dh, generator=g) for h in (H, K, K))
-    k_cache, v_cache = torch.randn(S, M, K, Dh, generator=g), torch.randn(S, M, K, Dh, generator=g)
+    batch, q, k, v, k_cache, v_cache = _step_inputs(5)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     want = _reference(q, k, v, batch, k_ref, v_ref, window)
     dev = [t.to("cuda", torch.bfloat16) for t in (q, k, v, k_cache, v_cache)]
