@@ -45,7 +45,7 @@ import time
 
 import torch
 
-from benchmarks.batch_step import batch_report, print_batch_report
+from benchmarks.batch_step import batch_report, gpu_ms, print_batch_report
 from services.engine.config import EngineConfig, MoEBackend
 from services.engine.models.registry import load_model
 from services.engine.moe.resident import DecodeKernel
@@ -57,17 +57,10 @@ def hbm_bandwidth(nbytes: int = 4 << 30, iters: int = 10) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    seconds = start.elapsed_time(end) / 1e3
+    seconds = gpu_ms(lambda: dst.copy_(src), iters) / 1e3  # per copy
     del src, dst
     torch.cuda.empty_cache()
-    return 2 * nbytes * iters / seconds
+    return 2 * nbytes / seconds
 
 
 def _prefill(lm, kv: KVCache, prompt: list[int]) -> int:

@@ -33,6 +33,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from benchmarks.batch_step import gpu_ms
 from services.engine.config import EngineConfig, MoEBackend
 from services.engine.models.registry import load_model
 from services.engine.runtime.kv_cache import ForwardBatch, KVCache
@@ -121,14 +122,7 @@ def measure(model: str, device: str, prompt_len: int, prompts: int, repeats: int
         _sync(dev)
         enqueue.append((t1 - t0) * 1e3)
         wall.append((time.perf_counter() - t0) * 1e3)
-    gpu = None
-    if dev.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        forward()
-        end.record()
-        end.synchronize()
-        gpu = start.elapsed_time(end)
+    gpu = gpu_ms(forward) if dev.type == "cuda" else None
 
     layer_us: list[float] = []
     marks: dict[int, float] = {}
