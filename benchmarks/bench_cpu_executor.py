@@ -58,6 +58,7 @@ from services.engine.moe.banks import ExpertBanks, ExpertFormat
 from services.engine.moe.cpu_executor import CpuExecutor, default_num_threads
 from services.engine.moe.reference import ClampedSwiGLU
 from services.profiler.handoff_cost import measure_c_sync
+from services.profiler.random_banks import fill_mxfp4_
 
 
 def activation_dtype(banks: ExpertBanks, fp8_activations: str = "bfloat16") -> torch.dtype:
@@ -69,44 +70,14 @@ def activation_dtype(banks: ExpertBanks, fp8_activations: str = "bfloat16") -> t
     return getattr(torch, fp8_activations) if dtype == torch.float8_e4m3fn else dtype
 
 
-# mxfp4 banks are filled by tiling a small pool of random bytes: torch's CPU RNG is serial (~0.2 GB/s
-# here), so drawing gpt-oss-120b's 4 layers x 128 experts (6.7 GB of nibbles) byte by byte, or quantizing
-# 13 G normal values, took over 30 s on the H200 host before anything was measured; a copy runs at DRAM
-# speed. For a bandwidth benchmark that is fine: the kernels decode every nibble through the same table
-# and multiply by every scale whatever the bytes are, and no two experts share addresses, so the caches
-# see exactly as much data. The pool's odd length puts each expert at a different offset in it, so the
-# experts still differ (the correctness check below compares real outputs).
-MX_POOL_BYTES = (1 << 24) + 4099
-MX_SCALES = (118, 122)  # E8M0 2^-9 .. 2^-6: N(0, 0.02)-sized weights, gpt-oss's range (no NaN byte 0xFF)
-
-
-def fill_tiled_(t: torch.Tensor, pool: torch.Tensor) -> None:
-    """Fill ``t`` (contiguous) by repeating the 1-d ``pool`` over its bytes (same dtype)."""
-    flat, n = t.view(-1), pool.numel()
-    for start in range(0, flat.numel(), n):
-        chunk = flat[start:start + n]
-        chunk.copy_(pool[:chunk.numel()])
-
-
 def make_banks(dtype: str, layers: int, E: int, D: int, I: int) -> ExpertBanks:
     """Random banks: bf16/fp32 uniform(-0.05, 0.05), fp8_block with random e4m3 codes (no NaN) and scales, or
     mxfp4 random bytes (every e2m1 code) with E8M0 scales in MX_SCALES and gpt-oss's zero biases / clamped
-    SwiGLU (bf16 model), tiled from a pool (MX_POOL_BYTES: why)."""
+    SwiGLU (bf16 model), tiled from a pool (services/profiler/random_banks.py: why)."""
     if dtype == "mxfp4":
         banks = ExpertBanks.allocate(ExpertFormat.MXFP4, layers, E, D, I, torch.bfloat16, bias=True,
                                      activation=ClampedSwiGLU())
-        g = torch.Generator().manual_seed(0)
-        codes = torch.randint(0, 256, (MX_POOL_BYTES,), generator=g, dtype=torch.uint8)
-        scales = torch.randint(MX_SCALES[0], MX_SCALES[1] + 1, (MX_POOL_BYTES // 16 + 1,), generator=g,
-                               dtype=torch.uint8)
-        for layer in banks.layers:
-            for name, t in layer.tensors.items():
-                if name in ("gate_up", "down"):
-                    fill_tiled_(t, codes)
-                elif name.endswith("_scale"):
-                    fill_tiled_(t, scales)
-                else:
-                    t.zero_()
+        fill_mxfp4_(*(layer.tensors for layer in banks.layers))
         return banks
     if dtype != "fp8":
         banks = ExpertBanks.allocate(ExpertFormat.UNQUANTIZED, layers, E, D, I, getattr(torch, dtype))

@@ -47,7 +47,7 @@ class BenchBwRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     kind: Literal["bw"] = "bw"
-    dtype: list[Literal["bfloat16", "float32", "fp8_block"]] = Field(["bfloat16"], min_length=1, max_length=3)
+    dtype: list[Literal["bfloat16", "float32", "fp8_block", "mxfp4"]] = Field(["bfloat16"], min_length=1, max_length=4)
     model: str = Field("synthetic:qwen3-30b-a3b", max_length=128, pattern=_WORD,
                        description="geometry: a synthetic preset 'NAME' or 'synthetic:NAME[?layers=N]'")
     gpu: str | None = Field(None, max_length=64, pattern=_WORD,

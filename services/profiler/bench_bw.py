@@ -3,6 +3,7 @@
     tandem bench bw                                   # first GPU, bf16, Qwen3-30B-A3B geometry
     tandem bench bw --dtype bfloat16,float32 --model mixtral-8x7b --gpu GPU-3f2a... --seconds 2
     tandem bench bw --dtype bfloat16,fp8_block                 # also FP8 experts' rates (the engine reads the entry of its format)
+    tandem bench bw --model synthetic:gpt-oss-120b --dtype bfloat16,mxfp4   # gpt-oss's MXFP4 experts
     tandem bench bw --profiles-dir /profiles          # the shared volume (default env TANDEM_PROFILES_DIR)
     tandem bench bw -o /tmp/p.json                    # this file instead of the profiles dir
 
@@ -55,8 +56,9 @@ def geometry(model: str) -> Geometry:
 
 
 # expert formats by their profile key (services/common/profiles.format_key): unquantized experts in a dtype,
-# or fp8_block (FP8 experts of a bf16 model: the CPU executor's dpbf16 kernel, 4 banks per expert to copy)
-DTYPES = ("bfloat16", "float32", "fp8_block")
+# fp8_block (FP8 experts of a bf16 model: the CPU executor's dpbf16 kernel, 4 banks per expert to copy) or
+# mxfp4 (gpt-oss's experts of a bf16 model: e2m1 + E8M0 per 32, biases, clamped SwiGLU; 6 banks to copy)
+DTYPES = ("bfloat16", "float32", "fp8_block", "mxfp4")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,8 +66,10 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="bfloat16",
                    help=f"comma-separated expert formats to measure, from {', '.join(DTYPES)} (bfloat16/float32: "
-                        "unquantized experts in that dtype; fp8_block: FP8 experts of a bf16 model); each is one "
-                        "entry of the profile, which the engine picks by its expert format (default: %(default)s)")
+                        "unquantized experts in that dtype; fp8_block: FP8 experts of a bf16 model; mxfp4: gpt-oss's "
+                        "MXFP4 experts of a bf16 model, with their biases and clamped SwiGLU, which needs a --model "
+                        "whose hidden and expert intermediate sizes are multiples of 32); each is one entry of the "
+                        "profile, which the engine picks by its expert format (default: %(default)s)")
     p.add_argument("--model", default="synthetic:qwen3-30b-a3b",
                    help="geometry: a synthetic preset, 'synthetic:NAME[?layers=N]' or 'NAME' (default: %(default)s)")
     p.add_argument("--threshold", type=float, default=P.DEFAULT_THRESHOLD,
@@ -136,8 +140,8 @@ def measure(args: argparse.Namespace, geo: Geometry, dtypes: list[str], gpu: hos
             log.info("one GPU: no P2P pair to measure (the profile's p2p stays empty)")
     for name in dtypes:
         def kernels(name: str = name) -> None:
-            fmt = name if name == "fp8_block" else "unquantized"
-            dtype = torch.bfloat16 if fmt == "fp8_block" else getattr(torch, name)
+            fmt = name if name in probes.QUANTIZED else "unquantized"
+            dtype = torch.bfloat16 if fmt != "unquantized" else getattr(torch, name)  # quantized: a bf16 model
             bank = probes.make_bank(geo.num_experts, geo.hidden_size, geo.moe_intermediate_size, dtype,
                                     pin=dev is not None, fmt=fmt)
             kern = probes.CpuKernel(bank, geo.top_k, threads, args.cpu_kernel)
@@ -220,6 +224,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tandem bench bw: --dtype {args.dtype!r}: unknown format(s) {bad}; choose from {', '.join(DTYPES)}",
               file=sys.stderr)
         return 2
+    if "mxfp4" in dtypes:
+        from services.engine.moe.banks import ExpertFormat, check_geometry
+
+        try:
+            check_geometry(ExpertFormat.MXFP4, geo.hidden_size, geo.moe_intermediate_size)
+        except ValueError as ex:
+            print(f"tandem bench bw: --dtype mxfp4 with --model {args.model!r}: {ex}", file=sys.stderr)
+            return 2
     if args.seconds <= 0 or args.buffer_mib <= 0:
         print("tandem bench bw: --seconds and --buffer-mib must be positive", file=sys.stderr)
         return 2

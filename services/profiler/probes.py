@@ -20,10 +20,11 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from services.common.logging import get_logger
-from services.engine.moe.banks import host_bank, pin_host
+from services.engine.moe.banks import (BANK_SCHEMAS, BIAS_BANKS, SCALE_BANKS, ExpertFormat, check_geometry, host_bank,
+                                       pin_host)
+from services.engine.moe.reference import ClampedSwiGLU
 
 log = get_logger("profiler.probes")
 
@@ -74,33 +75,39 @@ def cpu_read(buffer_bytes: int, cpus: list[int], seconds: float) -> float:
 
 # ------------------------------------------------------------------------------------------------ banks
 
+QUANTIZED = ("fp8_block", "mxfp4")  # expert formats of a bf16 model (banks.ExpertFormat values besides unquantized)
+
+
 @dataclass
 class ExpertBank:
-    """One layer's experts in host memory: gate_up [E, 2I, D], down [E, D, I] (pinned when a GPU is
-    measured: the real banks are pinned); for the fp8_block format also the block scales
-    (``scales``: gate_up_scale [E, 2*ceil(I/128), ceil(D/128)], down_scale [E, ceil(D/128), ceil(I/128)])."""
+    """One layer's experts in host memory (pinned when a GPU is measured: the real banks are pinned), in
+    format ``fmt`` (services/engine/moe/banks.py BANK_SCHEMAS): gate_up [E, 2I, D], down [E, D, I] (mxfp4:
+    packed, [E, 2I, D/2], [E, D, I/2]); ``scales`` the quantized formats' scale banks (fp8_block:
+    gate_up_scale [E, 2*ceil(I/128), ceil(D/128)], down_scale [E, ceil(D/128), ceil(I/128)]; mxfp4: E8M0
+    bytes [E, 2I, D/32], [E, D, I/32]); ``biases`` gpt-oss's (gate_up_bias [E, 2I], down_bias [E, D]) and
+    ``activation`` its clamped SwiGLU (mxfp4: what a gpt-oss expert is)."""
 
     gate_up: torch.Tensor
     down: torch.Tensor
     scales: dict[str, torch.Tensor] = field(default_factory=dict)
+    fmt: str = "unquantized"
+    biases: dict[str, torch.Tensor] = field(default_factory=dict)
+    activation: ClampedSwiGLU | None = None
 
     @property
     def num_experts(self) -> int:
         return self.gate_up.shape[0]
 
     @property
-    def fmt(self) -> str:
-        return "fp8_block" if self.scales else "unquantized"
-
-    @property
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every bank by name, in the bank schema's order (what the cache copies and the executor reads)."""
-        return {"gate_up": self.gate_up, "down": self.down, **self.scales}
+        """Every bank by name, in the bank schema's order, biases last (what the cache copies and the executor
+        reads)."""
+        return {"gate_up": self.gate_up, "down": self.down, **self.scales, **self.biases}
 
     @property
     def act_dtype(self) -> torch.dtype:
-        """The hidden states' dtype: the bank's, or bf16 for FP8 experts (a bf16 model's)."""
-        return torch.bfloat16 if self.scales else self.gate_up.dtype
+        """The hidden states' dtype: the bank's, or bf16 for quantized experts (a bf16 model's)."""
+        return torch.bfloat16 if self.fmt in QUANTIZED else self.gate_up.dtype
 
     @property
     def expert_bytes(self) -> int:
@@ -111,7 +118,10 @@ def make_bank(E: int, D: int, I: int, dtype: torch.dtype, pin: bool, huge_pages:
               fmt: str = "unquantized") -> ExpertBank:
     """A bank in the memory the engine's host banks live in (banks.host_bank: huge pages unless
     ``huge_pages`` is False, pinned in place). ``fmt`` "fp8_block": e4m3 codes (random, finite) with
-    block scales, ``dtype`` unused."""
+    block scales; "mxfp4": gpt-oss's experts (random bytes with E8M0 scales tiled from a pool:
+    random_banks.py, zero biases, the clamped SwiGLU; ValueError unless D and I are multiples of 32);
+    ``dtype`` is used by "unquantized" only."""
+    biases, activation = {}, None
     if fmt == "fp8_block":
         from services.engine.moe.fp8 import grid
 
@@ -121,16 +131,27 @@ def make_bank(E: int, D: int, I: int, dtype: torch.dtype, pin: bool, huge_pages:
             t.view(torch.uint8).random_(0, 0x7F)  # 0..0x7E: every finite positive code (0x7F is NaN)
         scales = {"gate_up_scale": host_bank((E, 2 * grid(I), grid(D)), torch.float32, huge_pages).fill_(1e-3),
                   "down_scale": host_bank((E, grid(D), grid(I)), torch.float32, huge_pages).fill_(1e-3)}
+    elif fmt == "mxfp4":
+        from services.profiler.random_banks import fill_mxfp4_
+
+        check_geometry(ExpertFormat.MXFP4, D, I)
+        t = {s.name: host_bank((E, *s.shape(D, I)), s.dtype or torch.bfloat16, huge_pages)
+             for s in BANK_SCHEMAS[ExpertFormat.MXFP4] + BIAS_BANKS}
+        fill_mxfp4_(t)
+        gate_up, down = t.pop("gate_up"), t.pop("down")
+        scales = {name: t.pop(name) for name in SCALE_BANKS[ExpertFormat.MXFP4]}
+        biases, activation = t, ClampedSwiGLU()
     elif fmt == "unquantized":
         gate_up = host_bank((E, 2 * I, D), dtype, huge_pages).normal_(0, 0.02)  # [E, 2I, D]
         down = host_bank((E, D, I), dtype, huge_pages).normal_(0, 0.02)  # [E, D, I]
         scales = {}
     else:
-        raise ValueError(f"make_bank: unknown expert format {fmt!r} (unquantized, fp8_block)")
+        raise ValueError(f"make_bank: unknown expert format {fmt!r} (unquantized, {', '.join(QUANTIZED)})")
     if pin:
-        gate_up, down, *rest = pin_host([gate_up, down, *scales.values()])
-        scales = dict(zip(scales, rest))
-    return ExpertBank(gate_up, down, scales)
+        gate_up, down, *rest = pin_host([gate_up, down, *scales.values(), *biases.values()])
+        scales = dict(zip(scales, rest[:len(scales)]))
+        biases = dict(zip(biases, rest[len(scales):]))
+    return ExpertBank(gate_up, down, scales, fmt, biases, activation)
 
 
 def _rotating_ids(E: int, A: int):
@@ -152,17 +173,17 @@ class CpuKernel:
 
     def __init__(self, bank: ExpertBank, top_k: int, threads: int, impl: str = "auto"):
         self.bank, self.A = bank, min(top_k, bank.num_experts)
-        D = bank.gate_up.shape[2]
+        D = bank.down.shape[1]  # hidden size (gate_up packs two mxfp4 values a byte: its last dim is D/2)
         self.x = torch.randn(1, D, dtype=bank.act_dtype)  # [1, D]
         self.w = torch.full((1, self.A), 1.0 / self.A)  # [1, A]
         self.ids = _rotating_ids(bank.num_experts, self.A)
         self.executor = None
         if impl in ("auto", "executor") and have_module("services.engine.moe.cpu_executor"):
             try:
-                from services.engine.moe.banks import ExpertBanks, ExpertFormat, LayerBanks
+                from services.engine.moe.banks import ExpertBanks, LayerBanks
                 from services.engine.moe.cpu_executor import CpuExecutor
 
-                banks = ExpertBanks([LayerBanks(ExpertFormat(bank.fmt), bank.tensors)])
+                banks = ExpertBanks([LayerBanks(ExpertFormat(bank.fmt), bank.tensors)], bank.activation)
                 self.executor = CpuExecutor(banks, num_threads=threads)
             except RuntimeError as ex:
                 if impl == "executor":
@@ -175,15 +196,16 @@ class CpuKernel:
         self.name = f"cpu_executor({self.executor.isa})" if self.executor else "torch"
 
     def _torch_step(self, ids: list[int]) -> None:
-        from services.engine.moe.fp8 import dense_experts
+        from services.engine.moe.dequant import dense_experts
+        from services.engine.moe.reference import expert_swiglu
 
-        I = self.bank.down.shape[2]
-        sc = self.bank.scales
-        for e in ids:  # FP8: dequantized per expert (what the grouped torch loop does)
-            gate_up, down = dense_experts(self.bank.gate_up[e], self.bank.down[e], sc["gate_up_scale"][e] if sc else None,
-                                          sc["down_scale"][e] if sc else None, self.x.dtype)
-            h = self.x @ gate_up.t()  # [1, 2I]
-            _ = (F.silu(h[:, :I]) * h[:, I:]) @ down.t()  # [1, D]
+        b, sc, bias = self.bank, self.bank.scales, self.bank.biases
+        for e in ids:  # quantized: dequantized per expert (what the grouped torch loop does)
+            gate_up, down = dense_experts(ExpertFormat(b.fmt), b.gate_up[e], b.down[e],
+                                          sc["gate_up_scale"][e] if sc else None, sc["down_scale"][e] if sc else None,
+                                          self.x.dtype)
+            expert_swiglu(self.x, gate_up, down, b.activation, bias["gate_up_bias"][e] if bias else None,
+                          bias["down_bias"][e] if bias else None)  # [1, D]
 
     def step(self) -> int:
         """One layer's A experts; returns expert bytes read."""

@@ -5,8 +5,9 @@ build, scales in gpt-oss's range, experts distinct) pass the check against the t
 import pytest
 import torch
 
-from benchmarks.bench_cpu_executor import MX_SCALES, activation_dtype, check_output, make_banks
+from benchmarks.bench_cpu_executor import activation_dtype, check_output, make_banks
 from services.engine.moe.cpu_executor import CpuExecutor
+from services.profiler.random_banks import MX_SCALES
 
 
 @pytest.mark.parametrize("dtype", ["mxfp4", "bfloat16", "fp8"])

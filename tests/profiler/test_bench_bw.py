@@ -90,6 +90,65 @@ def test_fp8_block_is_measured_as_its_own_entry(tmp_path):
     assert profile.kernels["fp8_block"].cpu_executor_bs1 > 0
 
 
+def test_mxfp4_bank_probes():
+    """mxfp4 banks: gpt-oss's experts (packed e2m1 + E8M0 per 32 tiled from the shared pool, zero biases, the
+    clamped SwiGLU, bf16 activations), every bank counted in the expert's bytes and copied; the torch kernel
+    dequantizes them."""
+    from services.engine.moe.banks import BIAS_BANKS, ExpertFormat, expert_nbytes
+    from services.engine.moe.reference import ClampedSwiGLU
+    from services.profiler.random_banks import MX_SCALES
+
+    E, D, I = 4, 96, 64
+    bank = probes.make_bank(E, D, I, torch.float32, pin=False, fmt="mxfp4")
+    assert bank.fmt == "mxfp4" and bank.act_dtype == torch.bfloat16 and bank.activation == ClampedSwiGLU()
+    assert list(bank.tensors) == ["gate_up", "down", "gate_up_scale", "down_scale", "gate_up_bias", "down_bias"]
+    assert bank.gate_up.shape == (E, 2 * I, D // 2) and bank.scales["down_scale"].shape == (E, D, I // 32)
+    assert bank.expert_bytes == expert_nbytes(ExpertFormat.MXFP4, D, I, torch.bfloat16) + 2 * (2 * I + D)
+    assert len(BIAS_BANKS) == len(bank.biases) and all(b.dtype == torch.bfloat16 for b in bank.biases.values())
+    sc = bank.scales["gate_up_scale"]
+    assert MX_SCALES[0] <= int(sc.min()) and int(sc.max()) <= MX_SCALES[1]
+    assert len(torch.unique(bank.gate_up)) == 256  # random bytes, not a constant fill
+    kern = probes.CpuKernel(bank, 2, 1, impl="torch")
+    assert kern.step() == 2 * bank.expert_bytes and probes.cpu_kernel_bw(kern, 0.02) > 0
+
+
+def test_mxfp4_is_measured_as_its_own_entry_and_an_mxfp4_model_reads_it(tmp_path):
+    """--dtype bfloat16,mxfp4 writes an 'mxfp4' entry with a CPU rate of its own; the engine's lookup for a
+    bf16 model with MXFP4 banks (hybrid_split.profile_format -> resolve_format, what auto and hybrid's prior
+    call) takes that entry, not the bf16 fallback, and warns of nothing; a profile without it falls back."""
+    from types import SimpleNamespace
+
+    from services.engine.moe import hybrid_split
+    from services.engine.moe.banks import ExpertBanks, ExpertFormat
+    from services.engine.moe.reference import ClampedSwiGLU
+
+    assert bench_bw.main([*FAST, "--dtype", "bfloat16,mxfp4", "--profiles-dir", str(tmp_path)]) == 0
+    profile = P.list_profiles(tmp_path)[0].profile
+    assert set(profile.kernels) == {"bfloat16", "mxfp4"}
+    assert profile.kernels["mxfp4"].cpu_executor_bs1 > 0
+    geo = bench_bw.geometry("tiny")
+    banks = ExpertBanks.allocate(ExpertFormat.MXFP4, 1, geo.num_experts, geo.hidden_size, geo.moe_intermediate_size,
+                                 torch.bfloat16, bias=True, activation=ClampedSwiGLU())
+    fmt = hybrid_split.profile_format(SimpleNamespace(dtype=torch.bfloat16, banks=banks))
+    assert fmt == ("mxfp4", "bfloat16")
+    assert P.resolve_format(profile, *fmt) == ("mxfp4", "")  # no reason given: the callers warn of nothing
+    bf16_only = profile.model_copy(update={"kernels": {"bfloat16": profile.kernels["bfloat16"]}})
+    key, why = P.resolve_format(bf16_only, *fmt)
+    assert key == "bfloat16" and "no 'mxfp4' entry" in why and "bench bw --dtype mxfp4" in why
+
+
+def test_mxfp4_refused_for_a_geometry_without_32_wide_blocks(tmp_path, capsys, monkeypatch):
+    from services.engine.models import synthetic
+
+    monkeypatch.setitem(synthetic.PRESETS, "tiny-odd", {**synthetic.PRESETS["tiny"], "hidden_size": 48})
+    assert bench_bw.main([*FAST, "--model", "tiny-odd", "--dtype", "bfloat16,mxfp4",
+                          "--profiles-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--dtype mxfp4" in err[0] and "tiny-odd" in err[0] and "multiples of 32" in err[0]
+    assert os.listdir(tmp_path) == []
+    assert bench_bw.main([*FAST, "--model", "tiny-odd", "--dtype", "bfloat16", "--profiles-dir", str(tmp_path)]) == 0
+
+
 def test_geometry_from_the_synthetic_presets():
     g = bench_bw.geometry("synthetic:qwen3-30b-a3b")
     assert (g.num_layers, g.num_experts, g.top_k, g.hidden_size, g.moe_intermediate_size) == (48, 128, 8, 2048, 768)
@@ -108,6 +167,20 @@ def test_executor_is_the_real_cpu_kernel(tmp_path):
 @pytest.mark.slow  # builds the C++ executor extension when its cached build is stale
 def test_executor_measures_fp8_experts():
     bank = probes.make_bank(4, 256, 128, torch.bfloat16, pin=False, fmt="fp8_block")
+    kern = probes.CpuKernel(bank, 2, 1, impl="executor")
+    try:
+        assert kern.name.startswith("cpu_executor(")
+        assert kern.step() == 2 * bank.expert_bytes
+        assert probes.cpu_kernel_bw(kern, 0.05) > 0
+    finally:
+        kern.close()
+
+
+@pytest.mark.slow  # builds the C++ executor extension when its cached build is stale
+def test_executor_measures_mxfp4_experts():
+    """The executor's MXFP4 kernel with gpt-oss's biases and clamped SwiGLU (bf16 activations) runs on the
+    probe's bank: the rate `bench bw --dtype mxfp4` writes."""
+    bank = probes.make_bank(4, 128, 64, torch.bfloat16, pin=False, fmt="mxfp4")
     kern = probes.CpuKernel(bank, 2, 1, impl="executor")
     try:
         assert kern.name.startswith("cpu_executor(")

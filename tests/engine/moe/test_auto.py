@@ -105,6 +105,38 @@ def test_fp8_experts_read_the_fp8_block_entry(hf_checkpoints, tmp_path, monkeypa
     assert "no 'fp8_block' entry" in caplog.text and "'float32' rates instead" in caplog.text
 
 
+def test_mxfp4_experts_read_the_mxfp4_entry(hf_checkpoints, tmp_path, monkeypatch, caplog):
+    """gpt-oss's MXFP4 experts: auto decides from the profile's mxfp4 entry (`bench bw --dtype mxfp4`), not the
+    dtype's, and warns of nothing; without one it falls back to the dtype's entry and says so."""
+    ckpt = hf_checkpoints["gpt_oss"]
+    lm = load_model(EngineConfig(model=str(ckpt.dir)), attach_backend=False)
+    dtype = str(lm.dtype).removeprefix("torch.")
+    assert hybrid_split.profile_format(SimpleNamespace(dtype=lm.dtype, banks=lm.banks)) == ("mxfp4", dtype)
+    monkeypatch.setenv("TANDEM_PROFILES_DIR", str(tmp_path))
+    monkeypatch.setattr(auto, "gpu_uuid", lambda device: GPU)
+    slow_cpu = make_profile(GPU, c_sync=0.0)  # the dtype's entry says offload ...
+    slow = P.KernelBandwidths(cpu_executor_bs1=2.0, pcie_gather=50.0)
+    fast = P.KernelBandwidths(cpu_executor_bs1=200.0, pcie_gather=20.0)  # ... the mxfp4 entry hybrid
+    P.write_profile(slow_cpu.model_copy(update={
+        "kernels": {dtype: slow, "mxfp4": fast},
+        "concurrent": {dtype: P.Concurrent(pcie_ov=50.0, cpu_ov=2.0),
+                       "mxfp4": P.Concurrent(pcie_ov=20.0, cpu_ov=200.0)}}), tmp_path)
+    with caplog.at_level(logging.WARNING):
+        backend = build_backend(lm, EngineConfig(model=str(ckpt.dir), moe_backend="auto",
+                                                 moe_cache_size=lm.spec.num_experts))
+    assert isinstance(backend.inner, HybridBackend)
+    assert backend.stats()["auto"]["fetch_fraction"] == pytest.approx(20.0 / 220.0)
+    assert "entry" not in caplog.text  # the mxfp4 entry itself: no fallback warning
+
+    P.write_profile(slow_cpu.model_copy(update={"kernels": {dtype: slow},
+                                                "concurrent": {dtype: P.Concurrent(pcie_ov=50.0, cpu_ov=2.0)}}),
+                    tmp_path)  # no mxfp4 entry
+    with caplog.at_level(logging.WARNING):
+        result = backend.reload_profile()
+    assert result["auto"]["chosen"] == "offload"
+    assert "no 'mxfp4' entry" in caplog.text and f"'{dtype}' rates instead" in caplog.text
+
+
 @pytest.mark.parametrize("faster, rebuilds", [("offload", 1), ("hybrid", 2)])
 def test_online_verdict_keeps_the_measured_faster(faster, rebuilds, qwen3, tmp_path, monkeypatch):
     """The profile says hybrid; step times then decide. Tokens stay right across the rebuilds."""
