@@ -125,6 +125,15 @@ def backend_stats(stats: dict) -> dict:
     return stats.get("experts") or stats.get("backend") or {}
 
 
+def worker_preemptions(before: dict, after: dict) -> int | None:
+    """How often the CPU executor's workers lost their core between two stats reads (cpu, hybrid and auto;
+    None without an executor). An executor built after ``before`` (auto switching to hybrid) counts from 0."""
+    ex_before, ex_after = (backend_stats(s).get("cpu_executor") or {} for s in (before, after))
+    if "worker_preemptions" not in ex_after:
+        return None
+    return ex_after["worker_preemptions"] - ex_before.get("worker_preemptions", 0)
+
+
 def engine_summary(stats: dict) -> dict:
     """Miss rate, fetch split and VRAM from the engine's stats JSON (absent keys stay None)."""
     experts = backend_stats(stats)
@@ -236,9 +245,9 @@ def run_backend(args: argparse.Namespace, backend: str, cache_rate: float | None
         row.update(stream_chat(server.url, model_id, prompt, args.decode_tokens, sampling, args.seed))
         after = httpx.get(f"{server.url}/engine/v1/stats", timeout=10).json()
         row.update(engine_summary(_delta(before, after)))
-        ex_before, ex_after = (backend_stats(s).get("cpu_executor") or {} for s in (before, after))
-        if "worker_preemptions" in ex_after:  # cpu, hybrid and auto: a counter one level down
-            row["worker_preemptions"] = ex_after["worker_preemptions"] - ex_before["worker_preemptions"]
+        preempted = worker_preemptions(before, after)
+        if preempted is not None:
+            row["worker_preemptions"] = preempted
         row.update(step_split(row, before, after))
         row["vram_gib"] = after.get("vram_gib")
         row["moe"] = info.get("moe")

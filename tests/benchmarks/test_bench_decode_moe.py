@@ -90,6 +90,17 @@ def test_stats_delta_takes_counters_and_keeps_late_rates():
     assert d["vram_gib"] == 11.0
 
 
+def test_worker_preemptions_counts_an_executor_built_after_the_first_read():
+    """auto decides between the two stats reads and builds its hybrid executor then: the first read has no
+    counter, the count starts at 0 (the H200 auto servers failed here with a KeyError after measuring)."""
+    from benchmarks.bench_decode_moe import worker_preemptions
+
+    ex = lambda n: {"experts": {"cpu_executor": {"worker_preemptions": n}}}  # noqa: E731
+    assert worker_preemptions(ex(3), ex(10)) == 7
+    assert worker_preemptions({"experts": {}}, ex(4)) == 4
+    assert worker_preemptions(ex(3), {"experts": {"hits": 1}}) is None  # offload: no executor
+
+
 def test_bound_follows_the_backend_that_ran_and_counts_prefetched_bytes():
     from benchmarks.bench_decode_moe import bandwidth_bound
 

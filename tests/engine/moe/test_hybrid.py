@@ -201,9 +201,9 @@ def test_graph_mode_layer_captures_and_replays(hf_checkpoints):
     lm = load_model(EngineConfig(model=d, device="cuda"), attach_backend=False)
     pin_banks(lm.banks)
     cfg = EngineConfig(model=d, device="cuda", moe_backend="hybrid")
-    backend = HybridBackend(BackendContext(lm.banks, cfg, lm.device, lm.dtype, lm.spec.top_k, 0), MoEBackend.HYBRID,
-                            num_slots=lm.spec.top_k, graph_mode=True)
     E, A, D = lm.spec.num_experts, lm.spec.top_k, lm.spec.hidden_size
+    backend = HybridBackend(BackendContext(lm.banks, cfg, lm.device, lm.dtype, A, 0), MoEBackend.HYBRID,
+                            num_slots=E, graph_mode=True)
     dev = torch.device("cuda")
     h, ids, w = torch.zeros(2, D, device=dev), torch.zeros(2, A, dtype=torch.int64, device=dev), torch.zeros(2, A, device=dev)
     g = torch.Generator().manual_seed(0)
@@ -240,7 +240,9 @@ def test_graph_mode_layer_captures_and_replays(hf_checkpoints):
 def test_graph_mode_captures_the_split_at_many_tokens(T, hf_checkpoints):
     """A hybrid layer of 16 / 32 tokens (past the old 64-route limit) captured in a CUDA graph splits
     (CPU routes > 0) and equals the reference on every replay; its bucket's fraction, changed between
-    replays by a plain store, moves the split without a recapture."""
+    replays by a plain store, moves the split without a recapture. The cache has a slot per expert of the
+    layer and is emptied before each replay, so every present expert is a miss and f alone decides the
+    split (with fewer slots than a step's misses, f = 1 still computes the overflow on the CPU)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from services.engine.moe.reference import moe_reference
@@ -250,9 +252,9 @@ def test_graph_mode_captures_the_split_at_many_tokens(T, hf_checkpoints):
     lm = load_model(EngineConfig(model=d, device="cuda"), attach_backend=False)
     pin_banks(lm.banks)
     cfg = EngineConfig(model=d, device="cuda", moe_backend="hybrid", max_running_requests=32)
-    backend = HybridBackend(BackendContext(lm.banks, cfg, lm.device, lm.dtype, lm.spec.top_k, 0), MoEBackend.HYBRID,
-                            num_slots=lm.spec.top_k, graph_mode=True)
     E, A, D = lm.spec.num_experts, lm.spec.top_k, lm.spec.hidden_size
+    backend = HybridBackend(BackendContext(lm.banks, cfg, lm.device, lm.dtype, A, 0), MoEBackend.HYBRID,
+                            num_slots=E, graph_mode=True)
     dev = torch.device("cuda")
     h, ids, w = torch.zeros(T, D, device=dev), torch.zeros(T, A, dtype=torch.int64, device=dev), torch.zeros(T, A, device=dev)
     g = torch.Generator().manual_seed(T)
@@ -281,6 +283,8 @@ def test_graph_mode_captures_the_split_at_many_tokens(T, hf_checkpoints):
         routes = []
         for q16 in (Q16 // 4, Q16 // 4, Q16, 0):  # the bucket's word, stored between replays
             backend.buckets.f_q16[bucket] = q16
+            state.slot_of_id.fill_(-1)  # in place: the graph holds these tables' addresses
+            state.id_of_slot.fill_(-1)
             before = backend.handoff.poll_stats()["routes"]
             fill()
             graph.replay()
