@@ -95,9 +95,7 @@ def ensure_experts_hybrid_reference(state: CacheState, layer: int, topk_ids: tor
                                     prefer: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch twin of :func:`ensure_experts_hybrid` (same arguments, same results bit for bit)."""
     gpu_ids, cpu_ids = split_misses_reference(state, layer, topk_ids, f_q16, max_fetch, lfu, use_cap, prefer)
-    slot_ids = torch.empty(topk_ids.shape, dtype=torch.int64, device=topk_ids.device)
-    ensure_experts_reference(state, layer, gpu_ids, slot_ids, lfu=lfu, count_uses=False, use_cap=use_cap)
-    return slot_ids, cpu_ids
+    return ensure_gpu_routes(state, layer, gpu_ids, lfu, use_cap, use_kernel=False), cpu_ids
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -177,15 +175,14 @@ def _split_kernel():
     return _KERNEL
 
 
-def ensure_experts_hybrid(state: CacheState, layer: int, topk_ids: torch.Tensor, f_q16: torch.Tensor,
-                          max_fetch: int = -1, lfu: bool = False, use_cap: int = USE_CAP,
-                          prefer: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton launcher. topk_ids [T, A] expert ids of ``layer`` (-1 = skip) · f_q16 [1] int32 on the device
-    (Q16 fetch fraction) · max_fetch (-1 = no cap, 0 = every miss on the CPU) -> (slot_ids [T, A] int64: the
-    GPU slot of each hit/fetched route else -1, cpu_ids [T, A] int64: the expert of each CPU route else
-    -1). ``state`` is updated in place; the copy jobs are those of the fetched misses. ``prefer``: [L*E] int32
-    on the device, misses with an entry >= 0 fetched first (a peer tier's table)."""
-    from kernels.ensure_experts import ROUTES_BLOCK, ensure_experts
+def split_misses(state: CacheState, layer: int, topk_ids: torch.Tensor, f_q16: torch.Tensor, max_fetch: int = -1,
+                 lfu: bool = False, use_cap: int = USE_CAP, prefer: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 1 of the module docstring on the device, one launch (arguments as :func:`ensure_experts_hybrid`)
+    -> (gpu_ids [T, A] in topk_ids' dtype, cpu_ids [T, A] int64). The CPU's share is known from here on:
+    hybrid hands it to the CPU before step 2 runs, so the CPU does not wait for the slot assignment."""
+    from kernels.ensure_experts import ROUTES_BLOCK
+    from kernels.cpu_handoff import host_arg
 
     _check_split(state, layer, topk_ids, f_q16, use_cap)
     kernel = _split_kernel()
@@ -194,8 +191,6 @@ def ensure_experts_hybrid(state: CacheState, layer: int, topk_ids: torch.Tensor,
     gpu_ids = torch.empty((T, A), dtype=ids.dtype, device=ids.device)
     cpu_ids = torch.empty((T, A), dtype=torch.int64, device=ids.device)
     N, E = T * A, state.num_experts
-    from kernels.cpu_handoff import host_arg
-
     kernel[(1,)](
         state.slot_of_id, state.misses, state.work, state.uses, state.uses if prefer is None else prefer,
         ids, gpu_ids, cpu_ids, host_arg(kernel, f_q16) if f_q16.device != ids.device else f_q16,
@@ -204,6 +199,30 @@ def ensure_experts_hybrid(state: CacheState, layer: int, topk_ids: torch.Tensor,
         USE_CAP=use_cap,  # the miss ranking only needs it above every count, which it is
         PREFER=prefer is not None,
     )
-    slot_ids = torch.empty((T, A), dtype=torch.int64, device=ids.device)
-    ensure_experts(state, layer, gpu_ids, slot_ids, lfu=lfu, count_uses=False, use_cap=use_cap)
-    return slot_ids, cpu_ids
+    return gpu_ids, cpu_ids
+
+
+def ensure_gpu_routes(state: CacheState, layer: int, gpu_ids: torch.Tensor, lfu: bool = False, use_cap: int = USE_CAP,
+                      use_kernel: bool = True) -> torch.Tensor:
+    """Step 2: ensure_experts on the split's ``gpu_ids`` (use counts already taken by step 1) -> slot_ids
+    [T, A] int64 (the Triton kernel, or with ``use_kernel=False`` the reference)."""
+    slot_ids = torch.empty(gpu_ids.shape, dtype=torch.int64, device=gpu_ids.device)
+    if use_kernel:
+        from kernels.ensure_experts import ensure_experts
+
+        ensure_experts(state, layer, gpu_ids, slot_ids, lfu=lfu, count_uses=False, use_cap=use_cap)
+    else:
+        ensure_experts_reference(state, layer, gpu_ids, slot_ids, lfu=lfu, count_uses=False, use_cap=use_cap)
+    return slot_ids
+
+
+def ensure_experts_hybrid(state: CacheState, layer: int, topk_ids: torch.Tensor, f_q16: torch.Tensor,
+                          max_fetch: int = -1, lfu: bool = False, use_cap: int = USE_CAP,
+                          prefer: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton launcher. topk_ids [T, A] expert ids of ``layer`` (-1 = skip) · f_q16 [1] int32 on the device
+    (Q16 fetch fraction) · max_fetch (-1 = no cap, 0 = every miss on the CPU) -> (slot_ids [T, A] int64: the
+    GPU slot of each hit/fetched route else -1, cpu_ids [T, A] int64: the expert of each CPU route else
+    -1). ``state`` is updated in place; the copy jobs are those of the fetched misses. ``prefer``: [L*E] int32
+    on the device, misses with an entry >= 0 fetched first (a peer tier's table)."""
+    gpu_ids, cpu_ids = split_misses(state, layer, topk_ids, f_q16, max_fetch, lfu, use_cap, prefer)
+    return ensure_gpu_routes(state, layer, gpu_ids, lfu, use_cap), cpu_ids

@@ -5,10 +5,12 @@ Legend: T tokens · A experts per token · E experts per layer · S slots · D h
 
 Data path per MoE layer of a step of T <= SPLIT_MAX_TOKENS tokens (decode at any batch, short prompt
 chunks; each (token, expert) route computed exactly once):
-    ensure_experts_hybrid  -> slot_ids [T, A] (hit / fetched, else -1), cpu_ids [T, A] (CPU, else -1),
-                              from the fraction of the step's bucket (split_buckets.py)
+    split_misses           -> gpu_ids, cpu_ids [T, A] (CPU, else -1), from the fraction of the step's
+                              bucket (split_buckets.py; kernels/ensure_experts_hybrid.py)
     CPU submit             -> hidden, cpu_ids, weights to pinned buffers on the stream; workers start
                               when the stream's flag lands (the host never waits on the GPU here)
+    ensure_gpu_routes      -> slot_ids [T, A] (hit / fetched, else -1): after the submit, so the CPU,
+                              the long side of most layers, does not wait for the slot assignment
     copy_missing           -> the F fetched experts host -> slots, meanwhile
     prefetch (optional)    -> wait for this layer's predicted experts, reserve slots for the next layer's;
                               their copy starts after the sync below (--moe-prefetch, moe/prefetch.py)
@@ -145,11 +147,12 @@ class HybridBackend(HybridSplitControl, HybridMeasurement):
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"--moe-backend {self.mode.value}: the CPU handoff cannot be captured in a CUDA "
                                "graph; run decode eagerly with this backend")
-        slot_ids, cpu_ids = self._ensure(moe_layer, topk_ids, bucket)  # [T, A] each
+        gpu_ids, cpu_ids = self._split(moe_layer, topk_ids, bucket)  # [T, A] each
         if self.handoff is not None:
             self.handoff.submit(moe_layer, hidden, cpu_ids, topk_weights)
         else:
             self.executor.submit(hidden, cpu_ids, topk_weights, moe_layer)
+        slot_ids = self._ensure_gpu(moe_layer, gpu_ids)  # [T, A]
         marks = step["fetch_marks"]
         t0 = self._mark(moe_layer, 0)
         self.cache.copy_missing(max_jobs=topk_ids.numel())
@@ -186,8 +189,9 @@ class HybridBackend(HybridSplitControl, HybridMeasurement):
             if self.count_routes:
                 self.routes["gpu"] += int((topk_ids >= 0).sum())
             return self.offload.forward(layer, hidden, topk_ids, topk_weights)
-        slot_ids, cpu_ids = self._ensure(layer, topk_ids, bucket)  # [T, A] each
-        self.handoff.submit(layer, hidden, cpu_ids, topk_weights)
+        gpu_ids, cpu_ids = self._split(layer, topk_ids, bucket)  # [T, A] each
+        self.handoff.submit(layer, hidden, cpu_ids, topk_weights)  # the CPU starts while the slots are assigned
+        slot_ids = self._ensure_gpu(layer, gpu_ids)  # [T, A]
         self.cache.copy_missing(max_jobs=topk_ids.numel())
         prefetch = self._prefetch_reserve(layer, hidden, topk_ids)
         slots = self.cache.slot_banks  # CPU routes: slot -1, skipped
@@ -236,14 +240,22 @@ class HybridBackend(HybridSplitControl, HybridMeasurement):
             self.handoff.close()
         self.executor.close()
 
-    def _ensure(self, layer: int, topk_ids: torch.Tensor, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _split(self, layer: int, topk_ids: torch.Tensor, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's misses between fetch and CPU -> (gpu_ids, cpu_ids) [T, A] (kernels/ensure_experts_hybrid.py)."""
         if self.cache.use_triton:
-            from kernels.ensure_experts_hybrid import ensure_experts_hybrid as ensure
+            from kernels.ensure_experts_hybrid import split_misses as split
         else:
-            from kernels.ensure_experts_hybrid import ensure_experts_hybrid_reference as ensure
+            from kernels.ensure_experts_hybrid import split_misses_reference as split
         peer = self.cache.peer  # --moe-peer-devices: the misses a peer GPU holds are fetched first
-        return ensure(self.cache.state, layer, topk_ids, self.buckets.f_view(bucket), self.max_fetch, lfu=self.cache.lfu,
-                      use_cap=self.cache.use_cap, prefer=peer.peer_slot_of_id if peer is not None else None)
+        return split(self.cache.state, layer, topk_ids, self.buckets.f_view(bucket), self.max_fetch, lfu=self.cache.lfu,
+                     use_cap=self.cache.use_cap, prefer=peer.peer_slot_of_id if peer is not None else None)
+
+    def _ensure_gpu(self, layer: int, gpu_ids: torch.Tensor) -> torch.Tensor:
+        """Slots for the split's GPU routes (hits kept, the fetched misses take victims) -> slot_ids [T, A]."""
+        from kernels.ensure_experts_hybrid import ensure_gpu_routes
+
+        return ensure_gpu_routes(self.cache.state, layer, gpu_ids, lfu=self.cache.lfu, use_cap=self.cache.use_cap,
+                                 use_kernel=self.cache.use_triton)
 
     def _mark(self, layer: int, which: int):
         """A fetch-time mark: a CUDA event on the stream (read when the step is closed, no sync) or a host

@@ -141,6 +141,48 @@ def test_steps_past_eight_tokens_split_and_match_the_reference(T, mode, hf_check
         backend.close()
 
 
+@pytest.mark.parametrize("path", ["eager", "graph"])
+def test_the_cpu_share_leaves_before_the_slots_are_assigned(path, hf_checkpoints, loaded):
+    """The CPU is handed its routes right after the split, before the GPU routes get their slots (the CPU is
+    the long side of most hybrid layers: it should not wait for the slot assignment), on the eager path and
+    on the graph path's data flow (its handoff played by the executor itself); the layer still equals the
+    reference."""
+    from services.engine.moe.reference import moe_reference
+
+    lm = loaded["qwen3_moe"]
+    cfg = EngineConfig(model=str(hf_checkpoints["qwen3_moe"].dir), moe_backend="hybrid")
+    backend = HybridBackend(BackendContext(lm.banks, cfg, lm.device, lm.dtype, lm.spec.top_k, 0), MoEBackend.HYBRID,
+                            num_slots=lm.spec.top_k)
+    calls = []
+    ensure_gpu, submit = backend._ensure_gpu, backend.executor.submit
+    backend._ensure_gpu = lambda layer, gpu_ids: (calls.append("slots"), ensure_gpu(layer, gpu_ids))[1]
+    backend.executor.submit = lambda *a, **k: (calls.append("cpu"), submit(*a, **k))[1]
+
+    class ExecutorAsHandoff:  # the graph path's handoff calls, served by the executor on the host
+        def submit(self, layer, hidden, ids, weights):
+            backend.executor.submit(hidden, ids, weights, layer)
+
+        def sync_add(self, layer, part, cache_counters=None):
+            return (part.float() + backend.executor.wait()).to(part.dtype)
+
+    try:
+        E, A, D = lm.spec.num_experts, lm.spec.top_k, lm.spec.hidden_size
+        g = torch.Generator().manual_seed(3)
+        h, w = torch.randn(2, D, generator=g), torch.rand(2, A, generator=g)
+        ids = torch.stack([torch.randperm(E, generator=g)[:A] for _ in range(2)])  # [T, A]
+        if path == "graph":
+            backend.handoff = ExecutorAsHandoff()
+            out = backend._forward_graph(0, h, ids, w)
+        else:
+            out = backend.forward(0, h, ids, w)
+        banks = lm.banks.layers[0].tensors
+        torch.testing.assert_close(out, moe_reference(h, ids, w, banks["gate_up"], banks["down"]), atol=1e-5, rtol=1e-5)
+        assert calls == ["cpu", "slots"]
+    finally:
+        backend.handoff = None
+        backend.close()
+
+
 @CPU_PLAYS_THE_DEVICE
 def test_triton_kernels_under_the_interpreter(hf_checkpoints, loaded, resident_tokens):
     lm = loaded["mixtral"]
