@@ -165,22 +165,11 @@ def test_executor_is_the_real_cpu_kernel(tmp_path):
 
 
 @pytest.mark.slow  # builds the C++ executor extension when its cached build is stale
-def test_executor_measures_fp8_experts():
-    bank = probes.make_bank(4, 256, 128, torch.bfloat16, pin=False, fmt="fp8_block")
-    kern = probes.CpuKernel(bank, 2, 1, impl="executor")
-    try:
-        assert kern.name.startswith("cpu_executor(")
-        assert kern.step() == 2 * bank.expert_bytes
-        assert probes.cpu_kernel_bw(kern, 0.05) > 0
-    finally:
-        kern.close()
-
-
-@pytest.mark.slow  # builds the C++ executor extension when its cached build is stale
-def test_executor_measures_mxfp4_experts():
-    """The executor's MXFP4 kernel with gpt-oss's biases and clamped SwiGLU (bf16 activations) runs on the
-    probe's bank: the rate `bench bw --dtype mxfp4` writes."""
-    bank = probes.make_bank(4, 128, 64, torch.bfloat16, pin=False, fmt="mxfp4")
+@pytest.mark.parametrize("fmt,D,I", [("fp8_block", 256, 128), ("mxfp4", 128, 64)])
+def test_executor_measures_quantized_experts(fmt, D, I):
+    """The executor's kernel of each quantized format runs on the probe's bank (mxfp4: with gpt-oss's biases
+    and clamped SwiGLU, bf16 activations): the rate `bench bw --dtype FORMAT` writes."""
+    bank = probes.make_bank(4, D, I, torch.bfloat16, pin=False, fmt=fmt)
     kern = probes.CpuKernel(bank, 2, 1, impl="executor")
     try:
         assert kern.name.startswith("cpu_executor(")
