@@ -35,6 +35,10 @@ their core during the measured request (each time, that worker's share of a laye
 whether the client or anything else on the host shares their cores (on the H200 host 17-94 per 128 tokens,
 and a client kept off the workers' cores decoded no faster).
 
+A row measured while `auto` was still timing its two candidates or hybrid still searching its split
+(both read from the engine's stats as the measured request starts) lists what in ``unsettled``, and the
+run ends with a warning to raise ``--warmup-tokens``: such a tok/s belongs to trial configurations.
+
 A failing backend (even a crash mid-stream) is recorded and the others still run; the exit code is
 non-zero if any failed.
 """
@@ -132,6 +136,19 @@ def worker_preemptions(before: dict, after: dict) -> int | None:
     if "worker_preemptions" not in ex_after:
         return None
     return ex_after["worker_preemptions"] - ex_before.get("worker_preemptions", 0)
+
+
+def still_searching(stats: dict) -> list[str]:
+    """What of the backend was still being decided in ``stats`` (read as the measured request starts): auto's
+    online trial of both candidates, and hybrid's split search of the bs=1 bucket. A request measured
+    meanwhile times trial configurations, not the backend as it will serve."""
+    experts = backend_stats(stats)
+    out = []
+    if (experts.get("auto") or {}).get("settled") is False:
+        out.append("auto's trial of offload and hybrid")
+    if ((experts.get("buckets") or {}).get("1") or {}).get("settling"):
+        out.append("hybrid's split search")
+    return out
 
 
 def engine_summary(stats: dict) -> dict:
@@ -242,6 +259,7 @@ def run_backend(args: argparse.Namespace, backend: str, cache_rate: float | None
         warm = stream_chat(server.url, model_id, warmup_prompt, warmup_tokens(args), sampling, args.seed)
         row["warmup_prompt_tokens"] = warm["prompt_tokens"]
         before = httpx.get(f"{server.url}/engine/v1/stats", timeout=10).json()
+        row["unsettled"] = still_searching(before)
         row.update(stream_chat(server.url, model_id, prompt, args.decode_tokens, sampling, args.seed))
         after = httpx.get(f"{server.url}/engine/v1/stats", timeout=10).json()
         row.update(engine_summary(_delta(before, after)))
@@ -339,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-tokens", "-D", type=int, default=256, help="tokens decoded in the measured request")
     p.add_argument("--warmup-tokens", type=int,
                    help="tokens of the warm-up request (default: --decode-tokens); hybrid searches its split for "
-                        "~250 decode steps and auto times both candidates after that: give them ~512")
+                        "~250 decode steps, after auto has timed both candidates (~80 steps): give them ~1024; "
+                        "a row whose split or trial was still running when measured says so (unsettled) and warns")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="room left for the prompt in --max-seq-len")
     p.add_argument("--prompts", type=Path, default=PROMPTS, help="JSONL with 'problem' or 'prompt' fields")
     p.add_argument("--prompt-index", type=int, default=0, help="which prompt of the file")
@@ -394,6 +413,11 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.plot_decode import plot_rows
 
         print(f"plot: {plot_rows(rows, args.plot)}")
+    for r in rows:
+        if r.get("unsettled"):
+            print(f"warning: {r['backend']} (cache rate {r['cache_rate']}): {' and '.join(r['unsettled'])} still ran "
+                  f"when the measured request started, so its tok/s is not the steady state; raise --warmup-tokens "
+                  f"(now {warmup_tokens(args)})", file=sys.stderr)
     failed = [r["backend"] for r in rows if not r.get("ok")]
     if failed:
         print(f"failed backends: {', '.join(failed)}", file=sys.stderr)

@@ -77,6 +77,16 @@ def test_a_failing_backend_is_recorded_and_the_rest_run(tmp_path, demo_ckpt):
     assert rows[1]["ok"] and rows[1]["backend"] == "resident"
 
 
+def test_a_split_still_searched_is_flagged_not_reported_as_steady(tmp_path, demo_ckpt):
+    """A hybrid server whose warm-up is too short to settle its split: the row says what was still searched
+    when the measured request started, and the run warns to raise --warmup-tokens (the H200's auto servers
+    reported a tuner scan's 35 tok/s as if it were the backend's)."""
+    proc, rows = run_bench(tmp_path, demo_ckpt, "--backend", "hybrid", "--cache-rate", "0.5", "--warmup-tokens", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert rows[0]["ok"] and rows[0]["unsettled"] == ["hybrid's split search"]
+    assert "still ran when the measured request started" in proc.stderr and "--warmup-tokens (now 2)" in proc.stderr
+
+
 def test_stats_delta_takes_counters_and_keeps_late_rates():
     """Counters are differenced over the measured request; a rate first measured during it (None
     before, as cpu's PCIe rate is) is kept as it is, not a crash (H200 run 8)."""
