@@ -57,6 +57,7 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
+from benchmarks.bounds import BOUND_CEILINGS, load_ceilings, missed_bytes_bound
 from benchmarks.server_process import ServerProcess
 from benchmarks.stats import percentile
 
@@ -170,38 +171,6 @@ def engine_summary(stats: dict) -> dict:
     }
 
 
-# Ceilings (benchmarks/ceilings.py keys) of the bandwidth each backend's misses move at, GB/s. A backend's
-# bound sums its paths (hybrid's two run concurrently); each path takes the first key the file has (the
-# older rows under docs/results also carry a C stream read, a tighter CPU ceiling than torch's sum).
-BOUND_CEILINGS = {"offload": (("h2d_gather_8x9.4MB_GBs",),),
-                  "cpu": (("c_avx512_stream_read_GBs", "cpu_read_sum_fp32_GBs"),),
-                  "hybrid": (("overlap_pcie_GBs",), ("overlap_cpu_read_GBs",))}
-
-
-def _positive(ceilings: dict, key: str) -> bool:
-    return isinstance(ceilings.get(key), (int, float)) and ceilings[key] > 0
-
-
-def bound_keys(backend: str, ceilings: dict) -> list[str] | None:
-    """The ceilings ``backend``'s bound uses (one key per path), or None when the file lacks a path."""
-    keys = [next((k for k in path if _positive(ceilings, k)), None) for path in BOUND_CEILINGS[backend]]
-    return None if None in keys else keys
-
-
-def load_ceilings(path: Path) -> dict:
-    """A ceilings JSON; SystemExit naming the file when it cannot be read or bounds no backend (a CPU-only
-    host's file bounds cpu alone: the other rows then go without a bound)."""
-    try:
-        ceilings = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"--ceilings {path}: cannot read a ceilings JSON ({exc})") from None
-    if not isinstance(ceilings, dict) or not any(bound_keys(b, ceilings) for b in BOUND_CEILINGS):
-        wanted = sorted({k for paths in BOUND_CEILINGS.values() for path in paths for k in path})
-        raise SystemExit(f"--ceilings {path}: no positive value for any of {', '.join(wanted)} "
-                         "(write one with python -m benchmarks.ceilings)")
-    return ceilings
-
-
 def bandwidth_bound(row: dict, ceilings: dict) -> dict:
     """The row's bound (module docstring): bytes_per_token, bound_tok_s, bound_ratio and the ceilings used;
     {} for backends without one (resident) or rows without the needed stats."""
@@ -209,15 +178,9 @@ def bandwidth_bound(row: dict, ceilings: dict) -> dict:
     kind = row["backend"] if row["backend"] != "auto" else (row.get("auto") or {}).get("running")
     if not moe or rate is None or kind not in BOUND_CEILINGS or not row.get("completion_tokens"):
         return {}
-    keys = bound_keys(kind, ceilings)
-    if keys is None:
-        return {}
     ahead = (row.get("prefetched") or 0) / row["completion_tokens"]  # experts copied ahead per token
     per_token = (rate * moe["top_k"] * moe["layers"] + ahead) * moe["expert_bytes"]
-    used = {k: ceilings[k] for k in keys}
-    bound = sum(used.values()) * 1e9 / per_token
-    return {"bytes_per_token": per_token, "bound_tok_s": bound, "bound_ratio": row["decode_tok_s"] / bound,
-            "bound_ceilings_GBs": used}
+    return missed_bytes_bound(kind, per_token, row["decode_tok_s"], ceilings)
 
 
 def warmup_tokens(args: argparse.Namespace) -> int:

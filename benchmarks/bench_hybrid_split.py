@@ -26,8 +26,11 @@ long the GPU then waited for the CPU, and the serial part (the CPU's result in -
 out: attention, router, split, staging, while the CPU idles), all from the handoff's %globaltimer
 stamps; the CPU executor's time per job and rate, and the split of the bs=1 bucket (the backend tunes one
 split per batch-size bucket): its final fraction, mode, whether its tuner settled, the tuner's scan. With
---profile-steps N, the GPU kernels of N more steps (torch.profiler) per config. The fixed caps trace the curve; the controller should land on
-its minimum. Performance lives here, never in unit tests.
+--profile-steps N, the GPU kernels of N more steps (torch.profiler) per config. With --ceilings (the same
+machine's `python -m benchmarks.ceilings`), each row's bound: the missed experts' bytes per token over its
+path's ceiling, and for cpu/hybrid the serial-aware bound that adds the measured serial part per layer
+(benchmarks/bounds.py); `--replot old.json --ceilings c.json` adds them to an earlier run. The fixed caps
+trace the curve; the controller should land on its minimum. Performance lives here, never in unit tests.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from benchmarks.bounds import load_ceilings, missed_bytes_bound
 from benchmarks.gpu_profile import format_kernels, kernel_profile
 from benchmarks.stats import percentile
 from services.engine.config import LFU_CAP_MAX, EngineConfig, MoEBackend
@@ -228,12 +232,35 @@ def print_kernels(rows: list[dict]) -> None:
             print(format_kernels(r["kernels"]))
 
 
+def add_bounds(rows: list[dict], moe_layers: int, expert_bytes: int, ceilings: dict) -> None:
+    """Each row's bound from the missed (and prefetched) experts' bytes per token and, where the handoff
+    stamped the serial part, its serial-aware bound (benchmarks/bounds.py), in place."""
+    for r in rows:
+        if "error" in r:
+            continue
+        per_token = (r["misses_per_layer"] + r["prefetched_per_layer"]) * moe_layers * expert_bytes
+        serial = r["serial_us"] * 1e-6 * moe_layers if r.get("serial_us") is not None else None
+        r.update(missed_bytes_bound(parse_config(r["config"]).kind, per_token, r["tok_s"], ceilings, serial))
+
+
+def moe_layers_of(report: dict) -> int | None:
+    """MoE layers of an earlier --json's model: written since the bounds came; for older files, a synthetic
+    preset's spec says (None for a checkpoint, whose config is not at hand)."""
+    if report.get("moe_layers"):
+        return report["moe_layers"]
+    from services.engine.models.synthetic import is_synthetic, synthetic_spec
+
+    return synthetic_spec(report["model"], 1).num_moe_layers if is_synthetic(report["model"]) else None
+
+
 def print_table(rows: list[dict]) -> None:
     cols = [("config", "{}"), ("tok_s", "{:.1f}"), ("ms_per_token", "{:.2f}"), ("ms_p50", "{:.2f}"), ("ms_p99", "{:.2f}"),
             ("misses_per_layer", "{:.2f}"), ("fetched_per_layer", "{:.2f}"), ("prefetched_per_layer", "{:.2f}"),
             ("cpu_experts_per_layer", "{:.2f}"),
             ("gpu_side_us", "{:.0f}"), ("wait_us", "{:.0f}"), ("serial_us", "{:.0f}"), ("cpu_job_us", "{:.0f}"),
             ("cpu_gbs", "{:.1f}"), ("fetch_fraction", "{:.3f}")]
+    if any("bound_tok_s" in r for r in rows):
+        cols += [("bound_tok_s", "{:.1f}"), ("bound_ratio", "{:.2f}"), ("serial_aware_ratio", "{:.2f}")]
     print(" | ".join(f"{c:>12}" for c, _ in cols))
     for r in rows:
         if "error" in r:
@@ -318,9 +345,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the rows and the run's facts to this JSON file")
     p.add_argument("--plot", help="PNG of tok/s against the fixed cap, the other configs as lines")
     p.add_argument("--replot", metavar="JSON", help="print and plot (--plot) the rows of an earlier --json; run nothing")
+    p.add_argument("--ceilings", type=Path,
+                   help="a ceilings JSON of the same machine (python -m benchmarks.ceilings): each row gets its bound, "
+                        "bound_ratio and, for cpu/hybrid, the serial-aware ratio (benchmarks/bounds.py); "
+                        "also with --replot (default: no bounds)")
     args = p.parse_args(argv)
+    ceilings = load_ceilings(args.ceilings) if args.ceilings is not None else None  # a bad file fails before the load
     if args.replot:
         report = json.loads(Path(args.replot).read_text())
+        if ceilings is not None:
+            layers = moe_layers_of(report)
+            if layers is None:
+                print(f"bench_hybrid_split: {args.replot} does not say its MoE layers: no bounds", file=sys.stderr)
+            else:
+                add_bounds(report["rows"], layers, report["expert_bytes"], ceilings)
         print_table(report["rows"])
         print_kernels(report["rows"])
         if args.plot:
@@ -355,7 +393,12 @@ def main(argv: list[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     facts = {"model": args.model, "device": device_name, "torch": torch.__version__,
              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "cache_rate": args.cache_rate, "slots": num_slots,
-             "expert_bytes": lm.banks.expert_nbytes(), "expert_format": lm.banks.layers[0].format.value, "temperature": args.temperature, "command": " ".join(sys.argv)}
+             "moe_layers": len(lm.banks.layers), "expert_bytes": lm.banks.expert_nbytes(),
+             "expert_format": lm.banks.layers[0].format.value, "temperature": args.temperature,
+             "command": " ".join(sys.argv)}
+    if ceilings is not None:
+        add_bounds(rows, len(lm.banks.layers), lm.banks.expert_nbytes(), ceilings)
+        facts["ceilings"] = ceilings
     print(f"{args.model}, {num_slots} slots ({args.cache_rate:.0%} of {total} experts), bs=1, T={args.temperature}")
     print_table(rows)
     print_kernels(rows)

@@ -78,3 +78,31 @@ def test_cpu_and_hybrid_rows_read_the_measured_buckets_split(tmp_path):
     assert rows["cpu"]["fetch_fraction"] == 0.0 and rows["cpu"]["split_mode"] == "cpu"
     assert rows["hybrid"]["tuner"] is not None  # 30 steps: past TUNE_AFTER_STEPS, the bucket's tuner runs
     assert "fetch_fraction" not in rows["offload"]
+
+
+def test_replot_with_ceilings_adds_each_rows_bounds(tmp_path, capsys):
+    """--replot of a file written before the bounds (no moe_layers: the synthetic preset's spec gives 24)
+    with the same machine's ceilings: offload over the PCIe gather, hybrid over PCIe + CPU at once, and the
+    serial-aware bound that also counts hybrid's measured serial part per layer."""
+    eb = 4_000_000
+    report = {"model": "synthetic:qwen3-30b-a3b?layers=24", "device": "H200", "cache_rate": 0.33, "expert_bytes": eb,
+              "rows": [{"config": "offload", "tok_s": 40.0, "misses_per_layer": 5.0, "prefetched_per_layer": 0.0},
+                       {"config": "hybrid", "tok_s": 100.0, "misses_per_layer": 5.0, "prefetched_per_layer": 0.0,
+                        "serial_us": 50.0}]}
+    path, ceilings = tmp_path / "run.json", tmp_path / "ceilings.json"
+    path.write_text(json.dumps(report))
+    ceilings.write_text(json.dumps({"h2d_gather_8x9.4MB_GBs": 48.0, "overlap_pcie_GBs": 40.0, "overlap_cpu_read_GBs": 80.0}))
+    assert main(["--replot", str(path), "--ceilings", str(ceilings)]) == 0
+    per_token = 5 * 24 * eb  # 0.48 GB of missed experts a token
+    offload_bound, hybrid_bound = 48e9 / per_token, 120e9 / per_token  # 100 and 250 tok/s
+    serial_aware = 1 / (1 / hybrid_bound + 24 * 50e-6)  # 4 ms of bytes + 1.2 ms serial: 192.3 tok/s
+    lines = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in capsys.readouterr().out.splitlines()}
+    assert lines["offload"][-3:] == [f"{offload_bound:.1f}", f"{40 / offload_bound:.2f}", "-"]
+    assert lines["hybrid"][-3:] == [f"{hybrid_bound:.1f}", f"{100 / hybrid_bound:.2f}", f"{100 / serial_aware:.2f}"]
+
+
+def test_a_bad_ceilings_file_is_named_before_anything_loads(tmp_path):
+    bad = tmp_path / "ceilings.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit, match="no positive value"):
+        main(["--device", "cpu", "--configs", "offload", "--ceilings", str(bad)])
