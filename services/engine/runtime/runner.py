@@ -303,15 +303,15 @@ class ModelRunner:
             out = self.graphs.run(input_ids, positions, slots, device_ids)
             if out is not None:
                 return out
-        from services.engine.runtime.kv_cache import ForwardBatch
+        from services.engine.runtime.kv_cache import ForwardBatch, upload
 
         n = len(positions)
         ids, pos, slots = pad_decode_rows(input_ids, positions, slots, self.num_slots, self.pad_slot)
-        ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [Bmax]
+        ids = upload(ids, self.device)  # [Bmax], no sync: the previous step may still be running (forward_eager)
         if device_ids is not None:
             ids[:n] = device_ids
         fb = ForwardBatch(slots=slots, start_pos=pos, query_lens=[1] * len(pos), kv_len=self.kv.max_seq_len)
-        return self.model(ids, torch.tensor(pos, dtype=torch.long, device=self.device), fb, self.kv)[:n]
+        return self.model(ids, upload(pos, self.device), fb, self.kv)[:n]
 
     def forward_eager(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """logits [N, V] of one eager forward; ``input_ids`` [T] on the device replaces the batch's own."""
