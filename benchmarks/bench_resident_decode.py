@@ -137,9 +137,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="N > 1: decode N sequences per step through the server's CUDA-graph path "
                         "(default: %(default)s)")
     p.add_argument("--profile-steps", type=int, default=0,
-                   help="after the timed tokens, profile K more batch-N steps: GPU time by kernel family")
+                   help="after the timed tokens, profile K more batch-N steps: GPU time by kernel family "
+                        "(default: %(default)s, off)")
     p.add_argument("--prefill-prompts", type=int, default=0,
-                   help="also time one eager prefill of P packed prompts of --prompt-len tokens, and a mixed step")
+                   help="also time one eager prefill of P packed prompts of --prompt-len tokens, and a mixed step "
+                        "(default: %(default)s, off)")
     p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

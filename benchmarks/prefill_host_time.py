@@ -13,7 +13,7 @@ them apart and prices the parts:
 - ``syncs``: the CUDA syncs torch reports in one forward (``torch.cuda.set_sync_debug_mode``: stream syncs
   and pageable copies; benchmarks/count_decode_ops.py counts the Python-level ones on the CPU);
 - ``layer_host_us``: host time per decoder layer (module hooks, no sync), and per launch kind (one call of
-  each op the layer runs, on the layer's shapes, issued ``--repeats`` times without a sync);
+  each op the layer runs, on the layer's shapes, issued ``LAUNCH_REPEATS`` times without a sync);
 - ``profile``: the functions with the most host time (cProfile, own time) over 3 forwards.
 
 On the CPU it runs the same (torch path, no sync report) so a test can smoke it.
@@ -98,7 +98,10 @@ def _count_syncs(fn, device: torch.device) -> tuple[int, list[str]]:
     return len(msgs), msgs[:5]
 
 
-def measure(model: str, device: str, prompt_len: int, prompts: int, repeats: int = 50) -> dict:
+LAUNCH_REPEATS = 50  # calls per op kind in launch_host_us
+
+
+def measure(model: str, device: str, prompt_len: int, prompts: int, repeats: int = LAUNCH_REPEATS) -> dict:
     dev = torch.device(device)
     cfg = EngineConfig(model=model, device=device, dtype="bfloat16" if dev.type == "cuda" else "float32",
                        moe_backend=MoEBackend.RESIDENT, max_seq_len=prompt_len + 8)
@@ -161,11 +164,14 @@ def measure(model: str, device: str, prompt_len: int, prompts: int, repeats: int
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="prefill_host_time", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="synthetic:qwen3-30b-a3b?layers=24")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--prompts", type=int, default=1)
-    p.add_argument("--json", help="also write the results to this JSON file")
+    p.add_argument("--model", default="synthetic:qwen3-30b-a3b?layers=24",
+                   help="checkpoint dir or 'synthetic:NAME[?layers=N]', loaded resident (default: %(default)s)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cuda (bf16) or cpu (fp32, a smoke run) (default: cuda when present, else cpu)")
+    p.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt (default: %(default)s)")
+    p.add_argument("--prompts", type=int, default=1,
+                   help="prompts packed into the one prefill forward (default: %(default)s)")
+    p.add_argument("--json", help="also write the results to this JSON file (default: none)")
     args = p.parse_args(argv)
     r = measure(args.model, args.device, args.prompt_len, args.prompts)
     print(f"{r['model']} on {r['device']}: {r['prompts']} x {r['prompt_len']}-token eager prefill, {r['layers']} layers")
