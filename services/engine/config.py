@@ -65,6 +65,10 @@ class ExpertDType(str, enum.Enum):
 # the experts, whose VRAM the expert cache wants) 8. docs/serving.md lists the GPU server's defaults.
 GPU_SERVER_RUNNING = 32
 DEFAULT_RUNNING = 8
+# --max-prefill-tokens when unset: a prompt chunk of an offloaded model reads every expert it misses once
+# (docs/serving.md "Long prompts"), so the chunk sets prefill speed; 8192 tokens keep its activations
+# (~0.5 GiB at Qwen3-30B-A3B's width) within the engine's headroom on a 24 GiB card.
+DEFAULT_PREFILL_TOKENS = 8192
 
 
 @dataclass
@@ -110,15 +114,23 @@ class EngineConfig:
                                           "checks, streaming and HTTP run while the GPU computes: auto = when the step "
                                           "replays a CUDA graph, on = whenever the batch allows it, off = never")
     gpu_memory_limit: float | None = field(None, help="cap the VRAM budget at this many GiB (emulate a smaller card)")
-    max_running_requests: int | None = field(None, help="most requests decoded together (continuous batching; each "
-                                             "holds a KV slot of --max-seq-len tokens, and CUDA graphs are captured "
+    max_running_requests: int | None = field(None, help="most requests decoded together (continuous batching; they "
+                                             "share the KV pool's blocks, and CUDA graphs are captured "
                                              f"for every batch size up to it); unset = {GPU_SERVER_RUNNING} with "
                                              "--moe-backend resident on --device cuda (a GPU server), else "
                                              f"{DEFAULT_RUNNING}")
     max_waiting_requests: int = field(64, help="most requests queued before new ones get 429")
-    max_seq_len: int = field(4096, help="most tokens (prompt + generated) per request; also sizes the KV cache")
-    max_prefill_tokens: int | None = field(None, help="most prompt tokens computed per step; longer prompts are prefilled in "
-                                                      "chunks, so running requests keep decoding; unset = whole prompts")
+    max_seq_len: int | None = field(None, help="most tokens (prompt + generated) per request; unset = the model's "
+                                    "trained context (max_position_embeddings). Reserves nothing: requests share "
+                                    "the KV pool's blocks")
+    kv_cache_memory: float | None = field(None, help="GiB of the paged KV cache (shared by all requests, on the "
+                                          "compute device); unset = room for one request of --max-seq-len plus "
+                                          "4096 tokens for each other running request, taken before the expert "
+                                          "cache's share")
+    max_prefill_tokens: int | None = field(None, help="most prompt tokens computed per step; longer prompts are "
+                                           "prefilled in chunks while running requests keep decoding; unset = "
+                                           f"{DEFAULT_PREFILL_TOKENS} (a chunk streams the missing experts once, so "
+                                           "larger chunks prefill faster, smaller ones stall decoding less)")
     prefix_cache: bool = field(True, help="reuse the KV of a prompt's longest prefix already computed (a multi-turn "
                                          "chat's history, a system prompt shared by users) from a finished request's "
                                          "KV slot or a running one, instead of prefilling it again")
@@ -174,10 +186,12 @@ class EngineConfig:
         self._check_batch_invariant()
         if self.gpu_memory_limit is not None and self.gpu_memory_limit <= 0:
             raise ValueError(f"--gpu-memory-limit must be positive GiB, got {self.gpu_memory_limit}")
-        if self.max_prefill_tokens is not None and self.max_prefill_tokens <= 0:
-            raise ValueError(f"--max-prefill-tokens must be positive, got {self.max_prefill_tokens}")
-        for name in ("max_running_requests", "max_waiting_requests", "max_seq_len"):
-            if getattr(self, name) <= 0:
+        if self.max_prefill_tokens is None:
+            self.max_prefill_tokens = DEFAULT_PREFILL_TOKENS
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"--kv-cache-memory must be positive GiB, got {self.kv_cache_memory}")
+        for name in ("max_running_requests", "max_waiting_requests", "max_seq_len", "max_prefill_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
 
     def _check_batch_invariant(self) -> None:

@@ -21,7 +21,9 @@ from services.engine.config import EngineConfig
 from services.engine.engine_status import EngineNotReadyError, EngineStatus, Maintenance
 from services.engine.metrics import EngineMetrics
 from services.engine.reports import build_info
+from services.engine.runtime.block_manager import BlockManager
 from services.engine.runtime.grammar import GrammarCompiler, TokenMasks
+from services.engine.runtime.kv_budget import decide_kv_budget, resolve_max_seq_len
 from services.engine.runtime.sampler import SamplingParams
 from services.engine.runtime.scheduler import (InvalidRequestError, QueueFullError, Request, RequestTooLongError,
                                                Scheduler)
@@ -158,9 +160,10 @@ class Engine(StepLoop, EngineStatus):
                 self.on_load_failed()
             return
         self.maintenance = Maintenance.SERVING
-        log.info("ready: model %s, backend %s, %d slots x %d tokens, decode overlap %s", self.loaded.model_id,
-                 self.config.moe_backend.value, self.config.max_running_requests, self.config.max_seq_len,
-                 self.config.decode_overlap.value)
+        log.info("ready: model %s, backend %s, %d running requests, context %d tokens, KV pool %d tokens, "
+                 "decode overlap %s", self.loaded.model_id, self.config.moe_backend.value,
+                 self.config.max_running_requests, self.config.max_seq_len,
+                 self.scheduler.blocks.num_usable * self.scheduler.blocks.block_size, self.config.decode_overlap.value)
         if self._on_ready is not None:
             self._on_ready()
         try:
@@ -192,7 +195,7 @@ class Engine(StepLoop, EngineStatus):
                  cfg.moe_backend.value)
         t0 = time.monotonic()
         self.loaded = load(cfg, progress=self._on_progress)
-        self._info = build_info(self.loaded, cfg.max_seq_len, cfg.served_model_names)
+        self._info = build_info(self.loaded, resolve_max_seq_len(cfg, self.loaded.spec), cfg.served_model_names)
         pages = self._info["moe"]["host_pages"]
         if pages and pages["bytes"]:  # none where the banks live on the device (resident synthetic)
             log.info("host banks: %.1f GB in %d mappings, %.1f GB of it in transparent huge pages (THP %s)",
@@ -203,13 +206,18 @@ class Engine(StepLoop, EngineStatus):
         self.grammars = GrammarCompiler(self._info["tokenizer_json"], self.loaded.spec.vocab_size,
                                         self._info["eos_token_ids"])
         self.grammars.warm_in_background()
+        budget = decide_kv_budget(cfg, self.loaded.spec, dtype)
+        log.info("KV cache: %s", budget.describe())
+        blocks = BlockManager(budget.num_blocks, budget.block_size, cfg.max_running_requests, cfg.max_seq_len,
+                              cfg.prefix_cache)
         self.runner = ModelRunner(self.loaded, cfg.max_running_requests, cfg.max_seq_len, device, dtype,
                                   backend_name=cfg.moe_backend.value, eos_token_ids=self._info["eos_token_ids"],
                                   masks=TokenMasks(self.grammars.mask_vocab), progress=self._on_progress,
-                                  batch_invariant=cfg.batch_invariant)
+                                  batch_invariant=cfg.batch_invariant, blocks=blocks)
         self.scheduler = Scheduler(cfg.max_running_requests, cfg.max_waiting_requests, cfg.max_seq_len,
                                    self._info["eos_token_ids"], max_prefill_tokens=cfg.max_prefill_tokens,
-                                   prefix_cache=cfg.prefix_cache, one_prompt_per_step=cfg.batch_invariant)
+                                   prefix_cache=cfg.prefix_cache, one_prompt_per_step=cfg.batch_invariant,
+                                   blocks=blocks)
         log.info("loaded %s in %.1f s", self.loaded.model_id, time.monotonic() - t0)
 
     def _on_progress(self, progress: dict) -> None:

@@ -48,10 +48,13 @@ def exposed_without_token(host: str, token: str) -> str | None:
             "or listen on 127.0.0.1")
 
 
-def body_limit_for(max_seq_len: int) -> int:
+UNKNOWN_CONTEXT = 1 << 18  # tokens assumed while --max-seq-len waits for the model's own (before loading)
+
+
+def body_limit_for(max_seq_len: int | None) -> int:
     """Largest request body the engine accepts: a generate body of max_seq_len token ids (each at
     most ~12 bytes as JSON) plus 64 KiB of sampling parameters and ids."""
-    return 64 * 1024 + 12 * max_seq_len
+    return 64 * 1024 + 12 * (max_seq_len or UNKNOWN_CONTEXT)
 
 
 class BodyTooLarge(Exception):

@@ -34,7 +34,7 @@ from services.engine.models.registry import DEMO, TORCH_DTYPES, torch_device
 from services.engine.models.spec import ModelSpec
 from services.engine.moe.banks import ExpertFormat, expert_nbytes
 from services.engine.moe.sizing import GiB, CacheGeometry, decide_cache_size, fmt_bytes
-from services.engine.runtime.kv_cache import KVCache
+from services.engine.runtime.kv_budget import decide_kv_budget
 
 
 def check_model(config: EngineConfig) -> ModelSpec:
@@ -80,7 +80,7 @@ def check_fits(spec: ModelSpec, config: EngineConfig, device: torch.device,
     experts = geom.total_experts * geom.expert_nbytes
     loading = geom.total_experts * expert_nbytes(stored, spec.hidden_size, spec.moe_intermediate_size, dtype)
     weights = _non_expert_nbytes(spec, dtype)
-    kv = config.max_running_requests * config.max_seq_len * KVCache.nbytes_per_token(spec, dtype)
+    kv = decide_kv_budget(config, spec, dtype).nbytes  # also resolves --max-seq-len from the model
     # synthetic + resident on CUDA builds its banks on the GPU directly (registry.load_model)
     banks_on_device = synthetic.is_synthetic(config.model) and config.moe_backend is MoEBackend.RESIDENT
     host_parts = {"experts": 0 if device.type == "cuda" and banks_on_device else max(experts, loading)}
@@ -91,7 +91,7 @@ def check_fits(spec: ModelSpec, config: EngineConfig, device: torch.device,
     if host_available is not None and host_need > host_available:
         raise ValueError(f"--model {config.model} in {config.dtype.value} needs {fmt_bytes(host_need)} of host memory "
                          f"({_describe(host_parts)}) and {fmt_bytes(host_available)} is available; free memory, "
-                         "give a smaller model, or cut --max-seq-len / --max-running-requests")
+                         "give a smaller model, or cut --kv-cache-memory / --max-seq-len")
     free = None
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0] if device_free is None else device_free
@@ -106,7 +106,7 @@ def check_fits(spec: ModelSpec, config: EngineConfig, device: torch.device,
         elif weights + kv > free:
             raise ValueError(f"--model {config.model}: the non-expert weights and KV cache need "
                              f"{fmt_bytes(weights + kv)} of GPU memory ({_describe({'weights': weights, 'KV cache': kv})}) "
-                             f"and {fmt_bytes(free)} is free; cut --max-seq-len / --max-running-requests")
+                             f"and {fmt_bytes(free)} is free; cut --kv-cache-memory / --max-seq-len")
     if config.moe_backend is not MoEBackend.RESIDENT:
         # The cached backends size their expert cache with this rule once the weights are on the device
         # (CUDA's free memory is then that much lower); below one token's experts it raises.

@@ -51,10 +51,11 @@ class StepLoop:
         self.drain()
         self.scheduler.abort_all("shutdown")
 
-    def _abort(self, request_id: str, reason: str = "abort") -> None:
+    def _abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> None:
         """Drop a request. ``reason`` "stop": the gateway ended it on a stop string, a normal finish
-        (counted as finished with reason stop); "abort": the client went away or asked."""
-        req = self.scheduler.abort(request_id)
+        (counted as finished with reason stop); "abort": the client went away or asked, or ``error`` says
+        why the engine failed it (the gateway answers with that message)."""
+        req = self.scheduler.abort(request_id, error)
         if req is None:
             return
         if reason == "stop":
@@ -109,14 +110,27 @@ class StepLoop:
         """runner.launch, or None after aborting the batch's requests when it fails."""
         try:
             return self.runner.launch(batch, after)
-        except Exception:
-            self._forward_failed(batch)
+        except Exception as exc:
+            self._forward_failed(batch, exc)
             return None
 
-    def _forward_failed(self, batch) -> None:
-        log.exception("forward failed for %d requests; aborting them", len(batch.requests))
-        for req in batch.requests:  # each stream ends with finish_reason "abort" (the gateway: 500)
-            self._abort(req.request_id)
+    def _forward_failed(self, batch, exc: Exception) -> None:
+        """Fail the requests a failed step most likely failed for: its prompt chunks when it has any (their
+        activations and attention are what grows with a prompt; the decode rows computed nothing this step
+        and simply run again in the next), else every row. Their blocks go back at once."""
+        failed = batch.requests[:batch.num_prefill] or batch.requests
+        if type(exc).__name__ == "OutOfMemoryError":
+            tokens = sum(batch.query_lens[:batch.num_prefill])
+            why = (f"out of GPU memory in a step of {batch.num_tokens} tokens ({tokens} of them prompt tokens); "
+                   "retry, or lower --max-prefill-tokens / --kv-cache-memory")
+            log.error("forward failed: %s; failing %d request(s), the others go on", why, len(failed))
+            import torch
+            torch.cuda.empty_cache()  # the failed step's blocks of the caching allocator, back to the budget
+        else:
+            why = f"the engine failed this request's step ({type(exc).__name__}: {exc})"
+            log.exception("forward failed for %d requests; failing %d of them", len(batch.requests), len(failed))
+        for req in failed:  # each stream ends with finish_reason "abort" and the error (the gateway: 500)
+            self._abort(req.request_id, error=why)
         self._observe_queues()
 
     def _finish(self, done) -> None:
@@ -124,8 +138,8 @@ class StepLoop:
         try:
             # a launched step's tokens on the host: the step is over (sleeping while a chained one is queued)
             token_ids = self.runner.collect(done, sleep=self._inflight is not None)
-        except Exception:
-            self._forward_failed(batch)
+        except Exception as exc:
+            self._forward_failed(batch, exc)
             return
         finished_at = time.perf_counter()
         # a chained step's time starts when the one before it ended: the period between two steps' tokens

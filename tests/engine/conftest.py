@@ -19,7 +19,7 @@ from services.engine.models.registry import load_model
 
 VOCAB = 128
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-              rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=False)
+              rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=False)
 
 
 def _qwen3():

@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.engine.models import fused
-from services.engine.models.attention import Attention, decode_bias
+from services.engine.models.attention import Attention
 from services.engine.models.mlp import DenseMLP
 from services.engine.models.norm import RMSNorm
 from services.engine.models.rope import Rotary
@@ -40,7 +39,7 @@ class DecoderLayer(nn.Module):
         return getattr(self, self.mlp_name)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions, cos, sin, batch: ForwardBatch,
-                kv: KVCache, decode_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm residual blocks, with each residual add fused into the norm after it: h [T, D] is the
         previous block's output and ``residual`` [T, D] the stream before it (None for the first
         layer: h is the embedding). Returns (this layer's FFN output, residual); the stream is their sum."""
@@ -48,7 +47,7 @@ class DecoderLayer(nn.Module):
             residual, x = h, self.input_layernorm(h)
         else:
             x, residual = self.input_layernorm(h, residual)
-        a = self.self_attn(x, positions, cos, sin, batch, kv, decode_bias)
+        a = self.self_attn(x, positions, cos, sin, batch, kv)
         x, residual = self.post_attention_layernorm(a, residual)
         return self.ffn(x), residual
 
@@ -101,15 +100,9 @@ class MoECausalLM(nn.Module):
         kv.check(batch)  # a bad slot/position would otherwise be a device-side assert on CUDA
         h = self.model.embed_tokens(input_ids)  # [T, D]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)  # [T, Dh] each
-        bias = None
-        if batch.is_decode and not fused.enabled(h, "decode_attention"):  # torch path: one bias for all layers
-            W = batch.kv_len or (max(batch.start_pos) + 1)
-            windows = set(self.spec.layer_windows) or {self.spec.sliding_window}
-            biases = {w: decode_bias(positions, W, w, h.dtype) for w in windows}  # each [B, 1, 1, W]
-            bias = biases if len(biases) > 1 else biases.popitem()[1]
         residual = None
         for layer in self.model.layers:
-            h, residual = layer(h, residual, positions, cos, sin, batch, kv, bias)
+            h, residual = layer(h, residual, positions, cos, sin, batch, kv)
         if not batch.is_decode:  # decode: token i is sequence i's last token already
             last = upload(batch.last_token_index(), h.device)  # no sync: the host goes on to sample
             h, residual = h[last], residual[last]  # [B, D]

@@ -30,7 +30,7 @@ from services.engine.config import MoEBackend
 from services.engine.moe.backends import BackendContext, ExpertBackend, register_backend
 from services.engine.moe.hybrid import HybridBackend
 from services.engine.moe.hybrid_split import SPLIT_MAX_DECODE, profile_format, profile_prior
-from services.engine.moe.offload import OffloadBackend, kv_reserve_bytes
+from services.engine.moe.offload import OffloadBackend
 from services.engine.moe.sizing import CacheGeometry, decide_cache_size
 from services.engine.moe.split_buckets import bucket_name, next_pow2
 
@@ -58,7 +58,7 @@ class AutoBackend:
         self.geometry = CacheGeometry(len(banks.layers), banks.layers[0].num_experts, ctx.top_k, banks.expert_nbytes())
         # sized once: both candidates get the same slots, so a switch on reload keeps the VRAM budget
         self.num_slots = decide_cache_size(ctx.config, self.geometry, ctx.device, ctx.weight_bytes_on_device,
-                                           kv_reserve_bytes(ctx)).slots
+                                           ctx.kv_reserve_bytes).slots
         # bucket names as hybrid's (split_buckets.py)
         self.decode_cap = next_pow2(max(1, min(ctx.config.max_running_requests, SPLIT_MAX_DECODE)))
         self.decision, self.profile_path = self._decide()

@@ -42,7 +42,7 @@ class BackendContext:
     dtype: torch.dtype
     top_k: int  # A
     weight_bytes_on_device: int  # non-expert weights already placed (for --moe-cache-auto)
-    kv_bytes_per_token: int | None = None  # KV cache bytes per token (--moe-cache-auto keeps a KV reserve)
+    kv_reserve_bytes: int = 0  # the paged KV pool's bytes, allocated after the backend (runtime/kv_budget.py)
     # per MoE layer but the last, the [E, D] predictor of the next layer's routing (moe/prefetch.py);
     # None: the backend cannot prefetch (--moe-prefetch is then ignored, with a log line)
     next_layer_predictors: list[torch.Tensor] | None = None

@@ -27,17 +27,6 @@ from services.engine.moe.sizing import CacheGeometry, decide_cache_size
 log = get_logger("moe.offload")
 
 
-def kv_reserve_bytes(ctx: BackendContext) -> int:
-    """KV bytes still to be allocated: max_seq_len x max_running_requests x bytes per token. The per-token
-    size comes from ``ctx.kv_bytes_per_token`` when the context carries it (0 otherwise, logged)."""
-    per_token = getattr(ctx, "kv_bytes_per_token", None)
-    if per_token is None:
-        if ctx.config.moe_cache_auto:
-            log.warning("--moe-cache-auto: the backend context has no kv_bytes_per_token; no KV reserve is kept")
-        return 0
-    return int(per_token) * ctx.config.max_seq_len * ctx.config.max_running_requests
-
-
 class OffloadBackend:
     def __init__(self, ctx: BackendContext, num_slots: int | None = None, use_triton: bool | None = None) -> None:
         banks = ctx.banks
@@ -46,7 +35,7 @@ class OffloadBackend:
         geom = CacheGeometry(len(banks.layers), banks.layers[0].num_experts, ctx.top_k, banks.expert_nbytes())
         if num_slots is None:
             num_slots = decide_cache_size(ctx.config, geom, ctx.device, ctx.weight_bytes_on_device,
-                                          kv_reserve_bytes(ctx)).slots
+                                          ctx.kv_reserve_bytes).slots
         elif num_slots < geom.min_slots:
             raise ValueError(f"offload cache of {num_slots} slots is below the minimum of {geom.min_slots}")
         self.cache = ExpertCache(banks, num_slots, ctx.device, use_triton,

@@ -1,12 +1,18 @@
-"""The KV cache and the description of one forward step's batch.
+"""The paged KV cache and the description of one forward step's batch.
 
-KVCache is preallocated once: per decoder layer one K and one V tensor ``[S, M, K, Dh]``
-(S = slots, one per running request · M = max_seq_len · K kv heads · Dh head dim). A request keeps
-its slot for its whole life; token ``p`` of the request lives at ``[slot, p]``.
+KVCache is one pool of fixed-size blocks, allocated once: per decoder layer one K and one V tensor
+``[NB, BS, K, Dh]`` (NB blocks · BS tokens per block · K kv heads · Dh head dim), and a block table
+``[S, MB]`` int32 on the device (S request slots · MB = ceil(max_seq_len / BS)): token ``p`` of the
+request in slot ``s`` lives at ``[block_table[s, p // BS], p % BS]``. Block 0 is the null block, which
+padding rows read and write. Who owns which block is the BlockManager's business (block_manager.py);
+the runner copies its host table here (``load_tables``) before a forward when it changed.
+
+A KVCache built without ``num_blocks`` is dense: every slot owns the blocks for max_seq_len tokens from
+the start (benchmarks and tests that drive the model directly, without a scheduler).
 
 ForwardBatch says which tokens a forward step carries: sequence ``i`` has ``query_lens[i]`` new
 tokens (contiguous in the flat token list), ``start_pos[i]`` tokens already in the cache and the
-cache slot ``slots[i]``. A decode step is ``query_lens == [1] * B``.
+request slot ``slots[i]``. A decode step is ``query_lens == [1] * B``.
 """
 
 from __future__ import annotations
@@ -89,18 +95,31 @@ class ForwardBatch:
         return ForwardBatch(slots=[slot], start_pos=[start_pos], query_lens=[num_tokens])
 
 
+BLOCK_SIZE = 16  # tokens per KV block: a prefix is shared in whole blocks, and a request wastes < one block
+
+
 class KVCache:
-    """Preallocated K/V for every decoder layer: ``k[layer]``, ``v[layer]`` are ``[S, M, K, Dh]``."""
+    """The K/V pool of every decoder layer, ``k[layer]``/``v[layer]`` ``[NB, BS, K, Dh]``, and the block
+    table ``[S, MB]`` (module docstring). ``num_blocks`` None: dense, each slot owns max_seq_len tokens."""
 
     def __init__(self, spec, num_slots: int, max_seq_len: int, device: torch.device | str,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, num_blocks: int | None = None, block_size: int = BLOCK_SIZE) -> None:
         self.num_slots = num_slots  # S
-        self.max_seq_len = max_seq_len  # M
+        self.max_seq_len = max_seq_len
+        self.block_size = block_size  # BS
+        self.max_blocks = -(-max_seq_len // block_size)  # MB
         self.device = torch.device(device)
         self.dtype = dtype
-        shape = (num_slots, max_seq_len, spec.num_kv_heads, spec.head_dim)
+        dense = num_blocks is None
+        self.num_blocks = 1 + num_slots * self.max_blocks if dense else num_blocks  # NB, the null block included
+        shape = (self.num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(spec.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(spec.num_layers)]
+        table = torch.zeros((num_slots, self.max_blocks), dtype=torch.int32)
+        if dense:  # slot s: blocks 1 + s MB .. (s + 1) MB
+            table += torch.arange(self.max_blocks, dtype=torch.int32) + 1
+            table += torch.arange(num_slots, dtype=torch.int32)[:, None] * self.max_blocks
+        self.block_table = table.to(self.device)  # [S, MB]
 
     @staticmethod
     def nbytes_per_token(spec, dtype: torch.dtype) -> int:
@@ -111,11 +130,19 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
-    def copy_prefix(self, src: int, dst: int, num_tokens: int) -> None:
-        """Copy the K/V of positions ``[0, num_tokens)`` from slot ``src`` to slot ``dst`` in every layer
-        (the prefix cache; queued on the current stream like the forward that follows)."""
-        for cache in (*self.k, *self.v):
-            cache[dst, :num_tokens].copy_(cache[src, :num_tokens])
+    def load_tables(self, host_table: torch.Tensor, cols: int) -> None:
+        """Copy the first ``cols`` columns of a BlockManager's ``host_table`` [S, MB] to the device, queued
+        on the current stream without a host sync (through a pinned copy of its own: the host table may
+        change again before the copy runs)."""
+        src = host_table[:, :cols].contiguous()
+        if self.device.type == "cuda":
+            src = src.pin_memory()
+        self.block_table[:, :cols].copy_(src, non_blocking=self.device.type == "cuda")
+
+    def slot_mapping(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[T] int64 flat row of each (slot, position) in a layer's pool viewed as [NB BS, K, Dh]."""
+        blocks = self.block_table[slots, torch.div(positions, self.block_size, rounding_mode="floor")]
+        return blocks.long() * self.block_size + positions % self.block_size
 
     def check(self, batch: ForwardBatch) -> None:
         """Raise if the batch addresses a slot or a position outside the cache."""
@@ -131,58 +158,38 @@ class KVCache:
 
 @dataclass
 class PackedPrefill:
-    """All sequences of a prefill / mixed step as ONE attention problem (T new tokens, Tk keys): the new
-    tokens' cache addresses (``tok_slot``/``tok_pos`` [T]: one K and one V write per layer) and the keys
-    they attend to, each sequence's ``[0, start + n)`` of its slot (``key_slot``/``key_pos`` [Tk]: one
-    gather per layer), with the sequence of every token and key so a block-diagonal causal bias keeps
-    each sequence to its own keys. Per sequence this was ~5 launches per layer (two K/V writes, SDPA,
-    mask aranges); packed it is 5 whatever the number of sequences (docs/serving.md)."""
+    """All sequences of a prefill / mixed step as one attention problem over the paged cache: each new
+    token's slot and position (``tok_slot``/``tok_pos`` [T]: where its K/V go), and per sequence its slot,
+    its tokens already cached and where its new tokens start in the flat list (``seq_slots``/``seq_start``
+    [N], ``cu_query`` [N + 1], int32: what the prefill attention kernel walks). Built once per forward on
+    the device (one host->device copy) and shared by its layers."""
 
     tok_slot: torch.Tensor  # [T] int64
     tok_pos: torch.Tensor  # [T] int64
-    key_slot: torch.Tensor  # [Tk] int64
-    key_pos: torch.Tensor  # [Tk] int64
-    tok_seq: torch.Tensor  # [T] int64: index of the token's sequence in the batch
-    key_seq: torch.Tensor  # [Tk] int64
-    biases: dict = field(default_factory=dict, repr=False)  # (dtype, window, G) -> [T G, Tk] additive bias
-
-    @property
-    def num_keys(self) -> int:
-        return self.key_pos.shape[0]
+    seq_slots: torch.Tensor  # [N] int32
+    seq_start: torch.Tensor  # [N] int32
+    cu_query: torch.Tensor  # [N + 1] int32
+    max_query_len: int
+    rows: dict = field(default_factory=dict, repr=False)  # id(KVCache) -> slot_mapping [T] int64
 
     @staticmethod
     def build(batch: ForwardBatch, device: torch.device) -> "PackedPrefill":
-        cols: list[list[int]] = [[], [], [], [], [], []]  # tok_slot, tok_pos, tok_seq, key_slot, key_pos, key_seq
-        for i, (slot, start, n) in enumerate(zip(batch.slots, batch.start_pos, batch.query_lens)):
-            end = start + n
-            cols[0] += [slot] * n
-            cols[1] += range(start, end)
-            cols[2] += [i] * n
-            cols[3] += [slot] * end
-            cols[4] += range(end)
-            cols[5] += [i] * end
-        T = len(cols[0])
-        flat = upload([x for c in cols for x in c], device)  # one host->device copy, no sync
-        tok, keys = flat[:3 * T].view(3, T), flat[3 * T:].view(3, -1)
-        return PackedPrefill(tok[0], tok[1], keys[0], keys[1], tok[2], keys[2])
+        tok_slot: list[int] = []
+        tok_pos: list[int] = []
+        cu = [0]
+        for slot, start, n in zip(batch.slots, batch.start_pos, batch.query_lens):
+            tok_slot += [slot] * n
+            tok_pos += range(start, start + n)
+            cu.append(cu[-1] + n)
+        T, N = len(tok_slot), batch.num_seqs
+        flat = upload(tok_slot + tok_pos + batch.slots + batch.start_pos + cu, device)  # one copy, no sync
+        seqs = flat[2 * T:].to(torch.int32)
+        return PackedPrefill(flat[:T], flat[T:2 * T], seqs[:N], seqs[N:2 * N], seqs[2 * N:],
+                             max(batch.query_lens))
 
-    def bias(self, window: int | None, dtype: torch.dtype, rows_per_token: int = 1) -> torch.Tensor:
-        """[T G, Tk] additive bias in ``dtype``, G = ``rows_per_token`` rows per token (its query heads of
-        one kv head, rows t G .. t G + G - 1): 0 where a token may see a key (same sequence, key position
-        <= its own, and within ``window`` when set: key > pos - window, as transformers), -inf elsewhere.
-        Every token sees at least itself, so no row is all -inf."""
-        key = (dtype, window, rows_per_token)
-        if key not in self.biases:
-            q_pos, k_pos = self.tok_pos[:, None], self.key_pos[None, :]
-            allowed = (self.tok_seq[:, None] == self.key_seq[None, :]) & (k_pos <= q_pos)
-            if window is not None:
-                allowed &= k_pos > q_pos - window
-            zero = torch.zeros((), dtype=dtype, device=allowed.device)
-            bias = torch.where(allowed, zero, float("-inf"))  # [T, Tk]
-            T, Tk, G = bias.shape[0], bias.shape[1], rows_per_token
-            # rows padded to a multiple of 16 elements: CUDA's memory-efficient SDPA copies a bias whose
-            # row stride is not aligned, i.e. once per layer; this view of an aligned buffer it takes as is
-            padded = bias.new_empty((T * G, -(-Tk // 16) * 16))
-            padded[:, :Tk] = bias[:, None].expand(T, G, Tk).reshape(T * G, Tk)  # row t G + g = token t
-            self.biases[key] = padded[:, :Tk]
-        return self.biases[key]
+    def slot_mapping(self, kv: KVCache) -> torch.Tensor:
+        """[T] flat pool rows of the new tokens (computed once per forward from the device block table)."""
+        key = id(kv)
+        if key not in self.rows:
+            self.rows[key] = kv.slot_mapping(self.tok_slot, self.tok_pos)
+        return self.rows[key]

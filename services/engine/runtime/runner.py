@@ -8,8 +8,9 @@ eager or replayed alike.
 
 Dimension legend: T tokens in the step · N sequences in the step · V vocabulary · S KV slots.
 
-The runner owns the KV cache (``S = max_running_requests`` slots of ``max_seq_len`` tokens, plus one
-padding slot when CUDA graphs are on) and the sampler; the model is the registry's ``MoECausalLM``
+The runner owns the KV cache (the paged pool of the scheduler's BlockManager, whose block table it copies to
+the device before a forward when blocks were taken or freed; ``S = max_running_requests`` rows plus one
+padding row of null blocks) and the sampler; the model is the registry's ``MoECausalLM``
 (contract: ``forward(input_ids [T], positions [T], ForwardBatch, KVCache) -> logits [N, V]``).
 
 On CUDA, decode steps (one token per sequence) replay CUDA graphs captured at start for every batch size
@@ -64,11 +65,13 @@ class ModelRunner:
 
     def __init__(self, loaded, num_slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype,
                  backend_name: str = "resident", eos_token_ids: list[int] = (),
-                 masks: TokenMasks | None = None, progress=None, batch_invariant: bool = False):
+                 masks: TokenMasks | None = None, progress=None, batch_invariant: bool = False, blocks=None):
         """``eos_token_ids``: the ids min_tokens bans until a request has generated enough;
         ``masks``: the grammar masks of constrained rows (default: as wide as the model's vocabulary);
         ``progress``: gets ``{"phase": "compiling" | "capturing", "done", "total", "fraction"}`` on CUDA;
-        ``batch_invariant``: every decode step at max_running_requests rows, prompts alone (module docstring)."""
+        ``batch_invariant``: every decode step at max_running_requests rows, prompts alone (module docstring);
+        ``blocks``: the scheduler's BlockManager, whose pool this runner's KV cache is (None: a dense cache,
+        each slot holding max_seq_len tokens: runners driven without a scheduler)."""
         from services.engine.runtime.kv_cache import KVCache  # model helper's module
 
         self.loaded = loaded
@@ -83,9 +86,15 @@ class ModelRunner:
         self.graphs_enabled = device.type == "cuda" and env("TANDEM_CUDA_GRAPHS") != "0"
         self._graph_safe_default = backend_name in GRAPH_SAFE_BACKENDS
         self.batch_invariant = batch_invariant
-        # one spare slot for padding rows (graph replays, batch-invariant decode steps): no request owns it
-        padded = self.graphs_enabled or batch_invariant
-        self.kv = KVCache(loaded.spec, num_slots + int(padded), max_seq_len, device, dtype)
+        # one spare slot for padding rows (graph replays, batch-invariant decode steps): no request owns it;
+        # in a paged cache its row of the block table is all null blocks
+        padded = self.graphs_enabled or batch_invariant or blocks is not None
+        self.blocks, self._tables_version = blocks, -1
+        if blocks is None:
+            self.kv = KVCache(loaded.spec, num_slots + int(padded), max_seq_len, device, dtype)
+        else:
+            self.kv = KVCache(loaded.spec, num_slots + 1, max_seq_len, device, dtype, num_blocks=blocks.num_blocks,
+                              block_size=blocks.block_size)
         self.num_slots = num_slots
         self.pad_slot = num_slots if padded else None
         self.progress = progress
@@ -180,8 +189,9 @@ class ModelRunner:
         to pinned memory behind the sampling, and ``collect`` waits for that copy alone."""
         launched_at = time.perf_counter()  # before the forward: on the CPU it runs right here, synchronously
         ids = after.tokens if after is not None else None  # [N] on the device
-        for src, dst, n in batch.kv_copies:  # prefix-cache hits held by another slot
-            self.kv.copy_prefix(src, dst, n)
+        if self.blocks is not None and self.blocks.version != self._tables_version:  # blocks taken or freed
+            self.kv.load_tables(self.blocks.host_table, self.blocks.cols)
+            self._tables_version = self.blocks.version
         logits = None
         if self.batch_invariant:
             logits = self._forward_invariant(batch, ids)

@@ -76,7 +76,8 @@ def test_without_graphs_decode_rows_run_eagerly_at_the_max_size_and_padding_touc
     assert runner.graphs is None and runner.kv.num_slots == SLOTS + 1  # the spare slot of the padding rows
     for slot, prompt in ((1, [3, 4, 5, 6]), (2, [9, 8, 7])):
         _prefill(runner, slot, prompt)
-    caches = [t for layer in (runner.kv.k, runner.kv.v) for t in layer]  # [slots, max_seq_len, ...] each
+    # a dense cache: slot s owns blocks 1 + s MB .. (s + 1) MB, so past the null block it reads [slots, positions, ...]
+    caches = [t[1:].view(runner.kv.num_slots, -1, *t.shape[2:]) for layer in (runner.kv.k, runner.kv.v) for t in layer]
     before = [t.clone() for t in caches]
     calls = _spy_forwards(runner)
     batch = ScheduledBatch([None] * 2, 0, [40, 41], [4, 3], [1, 2], [4, 3], [1, 1])

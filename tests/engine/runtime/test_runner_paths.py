@@ -19,9 +19,10 @@ from services.engine.runtime.scheduler import ScheduledBatch
 def test_warm_up_compiles_through_the_backend_and_reports_progress(monkeypatch):
     from services.engine.models.attention import Attention
 
-    packed = []
-    real = Attention._prefill_packed
-    monkeypatch.setattr(Attention, "_prefill_packed", lambda self, *a: packed.append(1) or real(self, *a))
+    prefills = []
+    real = Attention._prefill
+    monkeypatch.setattr(Attention, "_prefill", lambda self, q, k, v, batch, *a: prefills.append(batch.num_seqs)
+                        or real(self, q, k, v, batch, *a))
     loaded = load_model(EngineConfig(model="synthetic:tiny", max_seq_len=128))
     events, warmed = [], []
     loaded.model.backend.warm = lambda hidden: warmed.append((tuple(hidden.shape), hidden.dtype)) or 3
@@ -30,9 +31,10 @@ def test_warm_up_compiles_through_the_backend_and_reports_progress(monkeypatch):
     ids = torch.tensor([5, 6, 7])
     batch = ForwardBatch(slots=[0], start_pos=[0], query_lens=[3])
     before = runner.model(ids, torch.arange(3), batch, runner.kv).clone()
+    prefills.clear()
     runner.warm_up()
     assert warmed == [((1, loaded.spec.hidden_size), torch.float32)]
-    assert len(packed) == loaded.spec.num_layers  # the packed prefill's kernel warmed too (two prompts)
+    assert prefills == [1] * loaded.spec.num_layers + [2] * loaded.spec.num_layers  # one prompt, then two packed
     assert [e["phase"] for e in events] == ["compiling"] * 3 and events[-1]["done"] == events[-1]["total"]
     torch.testing.assert_close(runner.model(ids, torch.arange(3), batch, runner.kv), before, atol=0, rtol=0)
 
