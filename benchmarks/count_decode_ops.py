@@ -101,7 +101,8 @@ class _Launch:
         return self.fn(*args, **kwargs)
 
 
-KERNEL_MODULES = ("moe_gemv", "moe_gemm", "rmsnorm", "qk_norm_rope", "route_topk", "decode_attention", "gemv")
+KERNEL_MODULES = ("moe_gemv", "moe_gemm", "rmsnorm", "qk_norm_rope", "route_topk", "decode_attention", "paged_prefill_attention",
+                  "gemv")
 
 
 @contextlib.contextmanager

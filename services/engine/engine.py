@@ -103,6 +103,7 @@ class Engine(StepLoop, EngineStatus):
         self.loaded = None
         self.runner = None
         self.scheduler: Scheduler | None = None
+        self.kv_budget = None  # runtime/kv_budget.KVBudget: the paged KV pool's size and why
         self.grammars: GrammarCompiler | None = None  # compiles requests' grammars (constrained decoding)
         self.metrics = None  # EngineMetrics (services/engine/metrics.py) once the model id is known
         self._info: dict | None = None
@@ -193,6 +194,11 @@ class Engine(StepLoop, EngineStatus):
         cfg = self.config
         log.info("loading %s on %s (%s, backend %s)", cfg.model, cfg.device.value, cfg.dtype.value,
                  cfg.moe_backend.value)
+        if cfg.device.value == "cuda" and cfg.gpu_memory_limit is not None:
+            # the limit bounds every allocation of the engine, not just the sizing: past it torch raises an
+            # out-of-memory (which fails one request, step_loop.py) instead of taking more of a shared card
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.gpu_memory_limit * (1 << 30) / total))
         t0 = time.monotonic()
         self.loaded = load(cfg, progress=self._on_progress)
         self._info = build_info(self.loaded, resolve_max_seq_len(cfg, self.loaded.spec), cfg.served_model_names)
@@ -206,7 +212,7 @@ class Engine(StepLoop, EngineStatus):
         self.grammars = GrammarCompiler(self._info["tokenizer_json"], self.loaded.spec.vocab_size,
                                         self._info["eos_token_ids"])
         self.grammars.warm_in_background()
-        budget = decide_kv_budget(cfg, self.loaded.spec, dtype)
+        budget = self.kv_budget = decide_kv_budget(cfg, self.loaded.spec, dtype)
         log.info("KV cache: %s", budget.describe())
         blocks = BlockManager(budget.num_blocks, budget.block_size, cfg.max_running_requests, cfg.max_seq_len,
                               cfg.prefix_cache)

@@ -70,6 +70,11 @@ class EngineStatus:
                                "generation_tokens_per_s": tokens / THROUGHPUT_WINDOW_S, **self._totals}
         if self.scheduler is not None:
             out.update(self.scheduler.stats())
+        if self.kv_budget is not None:  # the VRAM split: this pool beside the expert cache's "experts" bytes
+            out["kv_cache"] = {"bytes": self.kv_budget.nbytes, "tokens": self.kv_budget.tokens,
+                               "block_size": self.kv_budget.block_size, "how": self.kv_budget.how,
+                               "max_seq_len": self.config.max_seq_len,
+                               "max_prefill_tokens": self.config.max_prefill_tokens}
         if self.runner is not None:
             out.update(self.runner.stats())
         out.update({"experts": {}, "vram": None, "vram_gib": None, **(await self._device_stats())})

@@ -96,7 +96,10 @@ PROMPT_TOKENS_CACHED = Counter("tandem_prompt_tokens_cached_total",
 GENERATION_TOKENS = Counter("tandem_generation_tokens_total", "Tokens generated.", _M)
 REQUESTS_RUNNING = Gauge("tandem_num_requests_running", "Requests in the running batch.", _M)
 REQUESTS_WAITING = Gauge("tandem_num_requests_waiting", "Requests queued for a batch slot.", _M)
-KV_USAGE = Gauge("tandem_kv_cache_usage_ratio", "Share of KV-cache capacity in use, 0..1.", _M)
+KV_USAGE = Gauge("tandem_kv_cache_usage_ratio", "Share of the KV pool's blocks held by running requests, 0..1 "
+                 "(vLLM's kv_cache_usage_perc: cached prefix blocks nobody holds count as free).", _M)
+PREEMPTIONS = Counter("tandem_num_preemptions_total", "Running requests whose KV blocks were taken back "
+                      "(recomputed later) because the pool ran out.", _M)
 REQUEST_SUCCESS = Counter("tandem_request_success_total", "Finished requests by finish reason.",
                           ["model_name", "finish_reason"])
 
@@ -123,7 +126,8 @@ class EngineMetrics:
         self._last: dict[tuple[str, str], float] = {}  # (stats key, layer) -> last cumulative value
         self._lock = threading.Lock()  # two concurrent scrapes must not both add the same delta
         # Create the label children now so every series exists (value 0) from the first scrape on.
-        for counter in (PROMPT_TOKENS, PROMPT_TOKENS_CACHED, GENERATION_TOKENS):
+        self._preemptions = 0  # the scheduler's total at the last step
+        for counter in (PROMPT_TOKENS, PROMPT_TOKENS_CACHED, GENERATION_TOKENS, PREEMPTIONS):
             counter.labels(model_name)
         for hist in (TTFT, INTER_TOKEN, E2E):
             hist.labels(model_name)
@@ -133,9 +137,14 @@ class EngineMetrics:
             REQUEST_SUCCESS.labels(model_name, reason)
 
     def observe_step(self, num_running: int, num_waiting: int, kv_cache_usage: float,
-                     prompt_tokens: int = 0, generation_tokens: int = 0, cached_tokens: int = 0) -> None:
-        """After one scheduler step: queue sizes, KV use (0..1), tokens prefilled/generated in the step."""
+                     prompt_tokens: int = 0, generation_tokens: int = 0, cached_tokens: int = 0,
+                     preemptions_total: int | None = None) -> None:
+        """After one scheduler step: queue sizes, KV use (0..1), tokens prefilled/generated in the step, the
+        scheduler's preemptions so far."""
         m = self.model_name
+        if preemptions_total is not None and preemptions_total > self._preemptions:
+            PREEMPTIONS.labels(m).inc(preemptions_total - self._preemptions)
+            self._preemptions = preemptions_total
         REQUESTS_RUNNING.labels(m).set(num_running)
         REQUESTS_WAITING.labels(m).set(num_waiting)
         KV_USAGE.labels(m).set(kv_cache_usage)

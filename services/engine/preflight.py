@@ -34,7 +34,7 @@ from services.engine.models.registry import DEMO, TORCH_DTYPES, torch_device
 from services.engine.models.spec import ModelSpec
 from services.engine.moe.banks import ExpertFormat, expert_nbytes
 from services.engine.moe.sizing import GiB, CacheGeometry, decide_cache_size, fmt_bytes
-from services.engine.runtime.kv_budget import decide_kv_budget
+from services.engine.runtime.kv_budget import decide_kv_budget, prefill_workspace_bytes
 
 
 def check_model(config: EngineConfig) -> ModelSpec:
@@ -81,6 +81,7 @@ def check_fits(spec: ModelSpec, config: EngineConfig, device: torch.device,
     loading = geom.total_experts * expert_nbytes(stored, spec.hidden_size, spec.moe_intermediate_size, dtype)
     weights = _non_expert_nbytes(spec, dtype)
     kv = decide_kv_budget(config, spec, dtype).nbytes  # also resolves --max-seq-len from the model
+    workspace = prefill_workspace_bytes(config, spec, dtype)
     # synthetic + resident on CUDA builds its banks on the GPU directly (registry.load_model)
     banks_on_device = synthetic.is_synthetic(config.model) and config.moe_backend is MoEBackend.RESIDENT
     host_parts = {"experts": 0 if device.type == "cuda" and banks_on_device else max(experts, loading)}
@@ -98,7 +99,7 @@ def check_fits(spec: ModelSpec, config: EngineConfig, device: torch.device,
         if config.moe_backend is MoEBackend.RESIDENT:
             budget = free if config.gpu_memory_limit is None else min(free, int(config.gpu_memory_limit * GiB))
             parts = {"experts": max(experts, loading) if banks_on_device else experts, "other weights": weights,
-                     "KV cache": kv}
+                     "KV cache": kv, "prefill workspace": workspace}
             if sum(parts.values()) > budget:
                 raise ValueError(f"--moe-backend resident: --model {config.model} needs {fmt_bytes(sum(parts.values()))} "
                                  f"of GPU memory ({_describe(parts)}), the budget is {fmt_bytes(budget)}; use "

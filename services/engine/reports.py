@@ -35,7 +35,7 @@ def vram_stats(config: EngineConfig) -> dict | None:
 
     free, total = torch.cuda.mem_get_info()
     return {"allocated_bytes": torch.cuda.memory_allocated(), "reserved_bytes": torch.cuda.memory_reserved(),
-            "free_bytes": free, "total_bytes": total}
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(), "free_bytes": free, "total_bytes": total}
 
 
 def _read_json(path: Path) -> dict:

@@ -163,7 +163,8 @@ class StepLoop:
         sched = self.scheduler.stats()
         m.observe_step(sched["running"], sched["waiting"], sched["kv_usage"],
                        prompt_tokens=batch.num_tokens - (len(batch.requests) - batch.num_prefill),
-                       generation_tokens=generated, cached_tokens=batch.cached_tokens)
+                       generation_tokens=generated, cached_tokens=batch.cached_tokens,
+                       preemptions_total=sched["preemptions"])
         for req, last, tok, was_over in zip(batch.requests, prev, token_ids, ended):
             if tok is None or was_over:  # a prompt chunk (no token yet), or a token postprocess dropped
                 continue

@@ -38,7 +38,7 @@ _SHARED = {
     "model": _honoured("a model name the engines serve (GET /v1/models)"),
     "frequency_penalty": _honoured("minus the penalty times the token's count in the output, on the logits"),
     "logit_bias": _honoured("token id -> bias in [-100, 100] added to its logit (greedy requests too)"),
-    "n": _honoured("n choices; the prompt is prefilled once, the others copy it from the prefix cache "
+    "n": _honoured("n choices; the prompt is prefilled once, the others share its KV blocks through the prefix cache "
                    "(unless the engine runs --no-prefix-cache or --batch-invariant); with a seed, choice i uses seed + i"),
     "presence_penalty": _honoured("minus the penalty for every token already in the output, on the logits"),
     "seed": _honoured("seeds the request's own generator: the same seed gives the same tokens in any batch"),

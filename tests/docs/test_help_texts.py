@@ -15,7 +15,7 @@ from services.cli import COMMANDS
 BENCHMARK_MAINS = ["benchmarks.suite", "benchmarks.ceilings", "benchmarks.bench_decode_moe", "benchmarks.bench_serving",
                    "benchmarks.bench_resident_decode", "benchmarks.bench_hybrid_split", "benchmarks.bench_gemv",
                    "benchmarks.bench_cpu_executor", "benchmarks.bench_cpu_stream", "benchmarks.sim_expert_cache",
-                   "benchmarks.plot_decode", "benchmarks.count_decode_ops", "benchmarks.probe_sdpa_shapes",
+                   "benchmarks.plot_decode", "benchmarks.count_decode_ops",
                    "benchmarks.prefill_host_time",
                    "services.profiler.compare"]
 TARGETS = sorted({target.split(":")[0] for target, _ in COMMANDS.values()} | set(BENCHMARK_MAINS))

@@ -21,7 +21,7 @@ from services.engine.models.errors import LoaderError
 from services.engine.models.loader import load_checkpoint
 from services.engine.models.spec import ModelSpec
 from services.engine.models import synthetic
-from services.engine.runtime.kv_budget import decide_kv_budget, resolve_max_seq_len
+from services.engine.runtime.kv_budget import decide_kv_budget, prefill_workspace_bytes, resolve_max_seq_len
 from services.engine.moe.backends import BackendContext, ExpertBackend, make_backend
 from services.engine.moe.prefetch import next_layer_predictors
 from services.engine.moe.banks import ExpertBanks, ExpertFormat, pin_banks  # noqa: F401 - pin_banks: re-exported
@@ -115,7 +115,8 @@ def build_backend(loaded: LoadedModel, config: EngineConfig) -> ExpertBackend:
         pin_banks(loaded.banks)
     ctx = BackendContext(banks=loaded.banks, config=config, device=loaded.device, dtype=loaded.dtype,
                          top_k=loaded.spec.top_k, weight_bytes_on_device=loaded.model.non_expert_nbytes(),
-                         kv_reserve_bytes=decide_kv_budget(config, loaded.spec, loaded.dtype).nbytes,
+                         kv_reserve_bytes=decide_kv_budget(config, loaded.spec, loaded.dtype).nbytes
+                         + prefill_workspace_bytes(config, loaded.spec, loaded.dtype),
                          next_layer_predictors=next_layer_predictors(loaded.model)
                          if config.moe_prefetch else None)
     return make_backend(ctx)

@@ -42,7 +42,8 @@ class BackendContext:
     dtype: torch.dtype
     top_k: int  # A
     weight_bytes_on_device: int  # non-expert weights already placed (for --moe-cache-auto)
-    kv_reserve_bytes: int = 0  # the paged KV pool's bytes, allocated after the backend (runtime/kv_budget.py)
+    # bytes the engine allocates after the backend: the paged KV pool and the prefill workspace (runtime/kv_budget.py)
+    kv_reserve_bytes: int = 0
     # per MoE layer but the last, the [E, D] predictor of the next layer's routing (moe/prefetch.py);
     # None: the backend cannot prefetch (--moe-prefetch is then ignored, with a log line)
     next_layer_predictors: list[torch.Tensor] | None = None

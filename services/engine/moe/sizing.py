@@ -5,9 +5,9 @@ Legend: L MoE layers · E experts per layer · A experts per token (top-k) · S 
 
 - size: S = N.   rate: S = ceil(r * L * E).   none given: auto.
 - auto on CUDA: budget = min(free VRAM now, --gpu-memory-limit - weights already on the device);
-  S = (budget - KV reserve - headroom) // expert bytes, where the KV reserve covers --max-seq-len x
-  --max-running-requests and the headroom (max(512 MiB, 5% of the budget)) is for activations, CUDA graphs
-  and allocator slack.
+  S = (budget - KV reserve - headroom) // expert bytes, where the KV reserve is the paged KV pool plus the
+  prefill workspace of one --max-prefill-tokens chunk (runtime/kv_budget.py) and the headroom (max(512 MiB,
+  5% of the budget)) is for decode activations, CUDA graphs and allocator slack.
 - auto on a CPU device (documented fallback): there is no VRAM to fill, the "device" slots are host RAM;
   with --gpu-memory-limit the same formula runs against that budget, without it every expert gets a slot.
 - S is capped at L * E (more slots than experts is wasted memory) and must be at least the minimum, A:

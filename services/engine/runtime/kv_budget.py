@@ -9,6 +9,11 @@
   together; more requests than fit are preempted and recomputed, not refused. On a small card this share
   is taken before the expert cache's (--moe-cache-auto fills what is left): a 32k prompt must answer.
 Either way the pool must hold one request of --max-seq-len, or the engine refuses to start.
+
+The prefill workspace: a step of --max-prefill-tokens tokens holds its activations for a moment (hidden
+states, q/k/v, the routed tokens' expert inputs and outputs); ``prefill_workspace_bytes`` estimates them
+from the geometry, and the expert cache's sizing keeps them free beside the KV pool, so with
+--gpu-memory-limit (which the engine hands to torch's allocator as a hard cap) a long prompt's chunk fits.
 """
 
 from __future__ import annotations
@@ -42,6 +47,16 @@ class KVBudget:
 
     def describe(self) -> str:
         return f"{self.tokens} tokens in {self.num_blocks - 1} blocks of {self.block_size} = {fmt_bytes(self.nbytes)} ({self.how})"
+
+
+def prefill_workspace_bytes(config: EngineConfig, spec, dtype) -> int:
+    """Transient bytes of one prefill step of --max-prefill-tokens tokens (module docstring): per token the
+    residual stream and norms (~6 rows of the hidden size), q/k/v and attention output (~3 of (H + 2K) Dh),
+    and per routed expert its gate/up, activation and down rows (4 x the expert width + 2 x hidden)."""
+    itemsize = KVCache.nbytes_per_token(spec, dtype) // (2 * spec.num_layers * spec.num_kv_heads * spec.head_dim)
+    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+    per_token = 6 * spec.hidden_size + 3 * qkv + spec.top_k * (4 * spec.moe_intermediate_size + 2 * spec.hidden_size)
+    return config.max_prefill_tokens * per_token * itemsize
 
 
 def decide_kv_budget(config: EngineConfig, spec, dtype) -> KVBudget:

@@ -182,9 +182,13 @@ class PackedPrefill:
             tok_pos += range(start, start + n)
             cu.append(cu[-1] + n)
         T, N = len(tok_slot), batch.num_seqs
-        flat = upload(tok_slot + tok_pos + batch.slots + batch.start_pos + cu, device)  # one copy, no sync
+        # each per-sequence column padded to a multiple of 4 int32s: the kernel's pointers then stay 16-byte
+        # aligned whatever N, and Triton, which specializes on alignment, compiles once (not on a request)
+        n4 = -(-(N + 1) // 4) * 4
+        cols = [c + [0] * (n4 - len(c)) for c in (batch.slots, batch.start_pos, cu)]
+        flat = upload(tok_slot + tok_pos + cols[0] + cols[1] + cols[2], device)  # one copy, no sync
         seqs = flat[2 * T:].to(torch.int32)
-        return PackedPrefill(flat[:T], flat[T:2 * T], seqs[:N], seqs[N:2 * N], seqs[2 * N:],
+        return PackedPrefill(flat[:T], flat[T:2 * T], seqs[:N], seqs[n4:n4 + N], seqs[2 * n4:2 * n4 + N + 1],
                              max(batch.query_lens))
 
     def slot_mapping(self, kv: KVCache) -> torch.Tensor:

@@ -38,6 +38,7 @@ import torch
 
 from services.engine.runtime.block_manager import BlockManager
 from services.engine.runtime.grammar import advance
+from services.engine.runtime.kv_cache import BLOCK_SIZE
 from services.engine.runtime.sampler import SamplingParams
 
 
@@ -145,7 +146,6 @@ class Scheduler:
         # the running requests' decode. Default: whole prompts.
         self.max_prefill_tokens = max_prefill_tokens or max(max_seq_len, 2048)
         if blocks is None:
-            from services.engine.runtime.kv_cache import BLOCK_SIZE
             blocks = BlockManager(1 + max_running * -(-max_seq_len // BLOCK_SIZE), BLOCK_SIZE, max_running,
                                   max_seq_len, prefix_cache)
         self.blocks = blocks

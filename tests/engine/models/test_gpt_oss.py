@@ -187,16 +187,16 @@ def test_bfloat16_close_to_transformers(backend, hf_checkpoints):
 
 
 @pytest.mark.parametrize("elements", [1, 200])
-def test_prefill_sinks_in_query_blocks_equal_transformers(elements, hf_checkpoints, monkeypatch):
-    """Prefill attention with sinks bounds its per-head bias by going through the queries in blocks
-    (attention.SINK_BIAS_ELEMENTS): one query row per SDPA call, and blocks of a few rows with a last
-    partial one, give transformers' logits."""
-    from services.engine.models import attention
+def test_prefill_sinks_in_query_chunks_equal_transformers(elements, hf_checkpoints, monkeypatch):
+    """The CPU's prefill attention (the kernel's torch reference) bounds its scores by going through the
+    queries in chunks (paged_prefill_attention.MAX_SCORE_ELEMENTS): one query row per chunk, and chunks of a
+    few rows with a last partial one, give transformers' logits with sinks and the sliding window."""
+    from kernels import paged_prefill_attention
     from services.engine.models.registry import load_model
     from services.engine.runtime.kv_cache import ForwardBatch, KVCache
     from tests.helpers import hf_last_logits
 
-    monkeypatch.setattr(attention, "SINK_BIAS_ELEMENTS", elements)
+    monkeypatch.setattr(paged_prefill_attention, "MAX_SCORE_ELEMENTS", elements)
     c = hf_checkpoints["gpt_oss"]
     lm = load_model(EngineConfig(model=str(c.dir)))
     kv = KVCache(lm.spec, 1, 64, "cpu", torch.float32)

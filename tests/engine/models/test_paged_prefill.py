@@ -8,9 +8,13 @@ Triton kernel (under the interpreter) both."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # the Triton case runs under the interpreter: set before the kernels load
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from services.engine.models import fused
 from services.engine.models.attention import Attention
@@ -92,6 +96,10 @@ def test_the_packed_step_is_built_once_per_forward():
     assert p.tok_slot.tolist() == [2, 2, 0] and p.tok_pos.tolist() == [0, 1, 2]
     assert p.seq_slots.tolist() == [2, 0] and p.seq_start.tolist() == [0, 2] and p.cu_query.tolist() == [0, 2, 3]
     assert p.max_query_len == 2
+    for n in (1, 2, 3, 5):  # every column 16-byte aligned whatever N (Triton specializes on alignment)
+        q = ForwardBatch(slots=list(range(n)), start_pos=[0] * n, query_lens=[1] * (n - 1) + [2]).packed(torch.device("cpu"))
+        assert all(t.data_ptr() % 16 == 0 for t in (q.seq_slots, q.seq_start, q.cu_query))
+        assert q.cu_query.tolist() == list(range(n + 1))[:n] + [n + 1] and q.seq_slots.tolist() == list(range(n))
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@ import textwrap
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from services.engine.config import EngineConfig
 from services.engine.engine import Engine
@@ -73,6 +74,10 @@ def test_a_pool_too_small_for_every_request_preempts_and_every_stream_stays_exac
             assert tokens == hf_greedy(ckpt.hf, prompt, 40)
         stats = asyncio.run(engine.stats())
         assert stats["preemptions"] > 0 and stats["kv_blocks_total"] == 7 and stats["kv_blocks_used"] == 0
+        assert stats["kv_cache"]["tokens"] == pool_tokens and "--kv-cache-memory" in stats["kv_cache"]["how"]
+        exported = REGISTRY.get_sample_value("tandem_num_preemptions_total", {"model_name": engine.loaded.model_id})
+        assert exported is not None and exported >= stats["preemptions"]  # the metric: this engine's and earlier ones'
+        assert REGISTRY.get_sample_value("tandem_kv_cache_usage_ratio", {"model_name": engine.loaded.model_id}) == 0
     finally:
         engine.shutdown()
 
@@ -140,3 +145,27 @@ def test_a_16k_token_prompt_is_served_in_memory_linear_in_its_length(tmp_path):
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["tokens"] == 4 and got["finish"] == "length"
     assert got["grew_mib"] < 1024, got  # T x T of one head in fp32 alone is 1 GiB
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["offload", "hybrid"])
+def test_on_cuda_a_32k_prompt_answers_at_default_settings_under_a_24_gib_limit(backend):
+    """Qwen3-30B-A3B's geometry (8 of its layers), bf16, the expert cache filling a 24 GiB budget, every other
+    setting at its default (the model's 40,960-token context, chunked prefill): a 32k-token prompt answers,
+    and torch's allocator never held more than the limit (--gpu-memory-limit caps it)."""
+    torch.cuda.reset_peak_memory_stats()
+    engine = Engine(EngineConfig(model="synthetic:qwen3-30b-a3b?layers=8", device="cuda", dtype="bfloat16",
+                                 moe_backend=backend, moe_cache_auto=True, gpu_memory_limit=24))
+    engine.start()
+    try:
+        engine.wait_ready(900)
+        assert engine.config.max_seq_len == 40960
+        prompt = prompt_of(32768, seed=7, vocab=150000)
+        tokens, last = asyncio.run(generate(engine, "long", prompt, 8))
+        assert len(tokens) == 8 and last["prompt_tokens"] == 32768 and "error" not in last
+        peak = torch.cuda.max_memory_allocated()
+        print(f"{backend}: peak allocated {peak / 2 ** 30:.2f} GiB")
+        assert peak <= 24 * 2 ** 30
+    finally:
+        engine.shutdown()
