@@ -13,6 +13,7 @@ import pytest
 
 from services.common.chat_template import render_chat
 from services.common.tokenizer import Tokenizer
+from services.engine.runtime.kv_cache import BLOCK_SIZE
 
 API_KEY = "sk-test-key"
 MODEL = "tandem-demo"
@@ -265,11 +266,13 @@ def test_engine_generate_contract(stack):
 
 def test_next_chat_turn_reports_its_cached_prefix(client):
     """The second turn repeats the first turn's prompt and answer: the engine's prefix cache holds all of it
-    but the answer's last token (never fed), and usage says so, as OpenAI's prompt_tokens_details does."""
+    but the answer's last token (never fed), in whole blocks of 16 tokens, and usage says so, as OpenAI's
+    prompt_tokens_details does."""
     first = [{"role": "user", "content": "Name three lighthouse keepers of legend, please."}]
     r1 = client.chat.completions.create(model=MODEL, messages=first, max_tokens=6, temperature=0)
     second = first + [{"role": "assistant", "content": r1.choices[0].message.content},
                       {"role": "user", "content": "And one more?"}]
     r2 = client.chat.completions.create(model=MODEL, messages=second, max_tokens=6, temperature=0)
     assert r1.usage.prompt_tokens_details.cached_tokens < r1.usage.prompt_tokens
-    assert r1.usage.prompt_tokens <= r2.usage.prompt_tokens_details.cached_tokens < r2.usage.prompt_tokens
+    whole_blocks = r1.usage.prompt_tokens // BLOCK_SIZE * BLOCK_SIZE
+    assert 0 < whole_blocks <= r2.usage.prompt_tokens_details.cached_tokens < r2.usage.prompt_tokens

@@ -43,7 +43,7 @@ def prompt_of(n: int, seed: int, vocab: int = 128) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("backend", ["resident", "offload", "cpu", "hybrid"])
+@pytest.mark.parametrize("backend", ["resident", "offload", "cpu", "hybrid", "auto"])
 def test_a_2k_token_prompt_in_chunks_gives_transformers_tokens(hf_checkpoints, backend):
     ckpt = hf_checkpoints["qwen3_moe"]
     extra = {} if backend == "resident" else {"moe_cache_rate": 0.25}
