@@ -98,9 +98,7 @@ class Attention(nn.Module):
         scatter each), then every sequence of the step attends over its slot's blocks in one call, never
         materialising T x T (kernels/paged_prefill_attention.py; its memory-bounded torch reference on the CPU)."""
         p = batch.packed(q.device)
-        rows = p.slot_mapping(kv)  # [T]
-        k_cache.view(-1, self.K, self.Dh)[rows] = k
-        v_cache.view(-1, self.K, self.Dh)[rows] = v
+        fused.kernel("paged_prefill_attention", "write_kv")(k_cache, v_cache, k, v, p.slot_mapping(kv))  # [T] rows
         args = (q, k_cache, v_cache, kv.block_table, p.seq_slots, p.seq_start, p.cu_query, p.max_query_len,
                 self.window or 0, self.sinks)
         o = fused.call("prefill_attention", "paged_prefill_attention", "paged_prefill_attention", *args)
