@@ -14,6 +14,8 @@ Steps, in order (``--steps`` picks some), each by calling the benchmark that own
                -> serving.jsonl, serving.png
     resident   python -m benchmarks.bench_resident_decode: resident in one process against HBM (CUDA only)
                -> resident.json
+    long       python -m benchmarks.bench_serving --prompt-tokens: time to first token of long prompts, offload
+               and hybrid with a third cached on a 24 GiB budget -> long.jsonl, long.png
 
 then writes suite.json (every row, the ceilings and the exact command of each step), sweep.png (tok/s
 against the share cached) and table.md (the page's headline table with this host's numbers).
@@ -32,7 +34,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-STEPS = ("ceilings", "decode", "serving", "resident")
+STEPS = ("ceilings", "decode", "serving", "resident", "long")
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,9 @@ class Scale:
     serving_backend: str
     serving_cache_rate: float
     serving_prompts: int = 0  # requests per concurrency level; 0 = bench_serving's default, max(8, 2C)
+    long_prompts: str = ""  # prompt lengths of the long step
+    long_backends: str = ""  # at serving_cache_rate
+    long_args: tuple[str, ...] = ()  # extra bench_serving flags of the long step (the GPU budget)
     ceilings_args: tuple[str, ...] = ()
 
 
@@ -59,12 +64,14 @@ SCALES = {
     "full": Scale(model="synthetic:qwen3-30b-a3b?layers=24", device="cuda", dtype="bfloat16", decode_tokens=128,
                   warmup_tokens=384, headline=(("resident", None), ("hybrid", 0.33), ("cpu", 0.01)),
                   sweep_backends="offload,hybrid,auto", sweep_rates="0.2,0.33,0.5", concurrency="1,4,8",
-                  serving_backend="hybrid", serving_cache_rate=0.33),
+                  serving_backend="hybrid", serving_cache_rate=0.33, long_prompts="2048,8192,32768",
+                  long_backends="hybrid,offload", long_args=("--server-arg=--gpu-memory-limit", "--server-arg=24")),
     # The same steps on a CPU in minutes: the demo checkpoint, a few tokens (what CI runs).
     "tiny": Scale(model="demo", device="cpu", dtype="float32", decode_tokens=8, warmup_tokens=8,
                   headline=(("resident", None), ("hybrid", 0.5), ("cpu", 0.25)), sweep_backends="",
                   sweep_rates="", concurrency="1,2", ceilings_args=("--buffer-mib", "64", "--reps", "3"),
-                  serving_backend="hybrid", serving_cache_rate=0.5, serving_prompts=2),
+                  serving_backend="hybrid", serving_cache_rate=0.5, serving_prompts=2, long_prompts="300,1200",
+                  long_backends="hybrid"),
 }
 
 
@@ -89,6 +96,10 @@ def step_commands(scale: Scale, model: str, out: Path, timeout_s: float) -> dict
                      "--plot", str(out / "serving.png")]],
         "resident": [["benchmarks.bench_resident_decode", "--model", model, "--tokens", str(scale.decode_tokens),
                       "--json", str(out / "resident.json")]],
+        "long": [["benchmarks.bench_serving", *common, "--backend", scale.long_backends, "--cache-rate",
+                  str(scale.serving_cache_rate), "--prompt-tokens", scale.long_prompts, "--output-tokens", "32",
+                  "--repeats", "1", *scale.long_args, "--log-dir", str(out / "logs"), "--json", str(out / "long.jsonl"),
+                  "--plot", str(out / "long.png")]],
     }
 
 
@@ -130,7 +141,7 @@ def read_rows(out: Path) -> dict:
         return json.loads(path.read_text())
 
     return {"ceilings": load("ceilings.json"), "decode": load("decode.jsonl") or [],
-            "serving": load("serving.jsonl") or [], "resident": load("resident.json")}
+            "serving": load("serving.jsonl") or [], "resident": load("resident.json"), "long": load("long.jsonl") or []}
 
 
 def _fmt(value, digits: int = 1) -> str:
@@ -182,6 +193,15 @@ def markdown(scale: Scale, model: str, results: dict, commands: dict[str, list[s
         elif r.get("mode") == "concurrency":
             lines.append(f"| {r['concurrency']} | {_fmt(r['total_tok_s'])} | {_fmt(r['stream_tok_s_mean'])} | "
                          f"{_fmt(r['ttft_ms_p50'], 0)} | {_fmt(r['itl_ms_p50'])} | {_fmt(r.get('matches_solo'), 2)} |")
+    lines += ["", f"## Long prompts ({100 * scale.serving_cache_rate:g} % cached)", "",
+              "| backend | prompt tokens | TTFT s | prefill tok/s | decode tok/s after | peak GiB |", "|---|---|---|---|---|---|"]
+    for r in results.get("long") or []:
+        if not r.get("ok") or r.get("errors"):
+            lines.append(f"| {r.get('backend')} | {r.get('prompt_tokens', '')} | failed: "
+                         f"{str(r.get('error') or r.get('first_error', ''))[:80]} | | | |")
+            continue
+        lines.append(f"| {r['backend']} | {r['prompt_tokens']} | {_fmt(r['ttft_s'], 3)} | {_fmt(r['prefill_tok_s'], 0)} | "
+                     f"{_fmt(r['decode_tok_s'])} | {_fmt(r.get('peak_allocated_gib'))} |")
     lines += ["", "## Ceilings", "", "| ceiling | value |", "|---|---|"]
     lines += [f"| {k} | {_fmt(v)} |" for k, v in ceilings.items() if isinstance(v, float)]
     lines += ["", "## Commands", ""]
