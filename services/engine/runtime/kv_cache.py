@@ -35,18 +35,17 @@ def upload(values: list[int], device: torch.device | str) -> torch.Tensor:
 
 @dataclass
 class ForwardBatch:
-    slots: list[int]  # cache slot of each sequence
+    slots: list[int]  # request slot (block-table row) of each sequence
     start_pos: list[int]  # tokens of each sequence already in the cache
     query_lens: list[int]  # new tokens of each sequence in this step (contiguous in the flat input)
-    # Optional static window for decode attention (keys [0, kv_len) of each slot, masked by
-    # position). None = max(start_pos) + 1 (the torch path; the Triton kernel takes the whole cache
-    # then, models/attention.py: one specialization for every step). A CUDA-graph runner fixes it (e.g.
-    # max_seq_len) so the captured shapes never change between replays.
+    # Optional static bound on decode positions (positions < kv_len) that the decode kernel is built for;
+    # None = the cache's max_seq_len. The kernel walks each row's own context whatever the bound
+    # (kernels/decode_attention.py), so a CUDA-graph runner fixes it and every replay fits.
     kv_len: int | None = None
     # Device copies of `slots` ([B] int64). Built lazily by `slot_tensor`; a CUDA-graph runner sets
     # a static tensor it updates in place before each replay (no host->device copy inside capture).
     slot_ids: torch.Tensor | None = field(default=None, repr=False)
-    # Packed-prefill index tensors and masks (``packed``), built once per forward and shared by its layers.
+    # The step's prefill index tensors (``packed``), built once per forward and shared by its layers.
     _packed: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
