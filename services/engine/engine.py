@@ -164,7 +164,7 @@ class Engine(StepLoop, EngineStatus):
         log.info("ready: model %s, backend %s, %d running requests, context %d tokens, KV pool %d tokens, "
                  "decode overlap %s", self.loaded.model_id, self.config.moe_backend.value,
                  self.config.max_running_requests, self.config.max_seq_len,
-                 self.scheduler.blocks.num_usable * self.scheduler.blocks.block_size, self.config.decode_overlap.value)
+                 self.kv_budget.tokens, self.config.decode_overlap.value)
         if self._on_ready is not None:
             self._on_ready()
         try:
@@ -222,8 +222,7 @@ class Engine(StepLoop, EngineStatus):
                                   batch_invariant=cfg.batch_invariant, blocks=blocks)
         self.scheduler = Scheduler(cfg.max_running_requests, cfg.max_waiting_requests, cfg.max_seq_len,
                                    self._info["eos_token_ids"], max_prefill_tokens=cfg.max_prefill_tokens,
-                                   prefix_cache=cfg.prefix_cache, one_prompt_per_step=cfg.batch_invariant,
-                                   blocks=blocks)
+                                   one_prompt_per_step=cfg.batch_invariant, blocks=blocks)
         log.info("loaded %s in %.1f s", self.loaded.model_id, time.monotonic() - t0)
 
     def _on_progress(self, progress: dict) -> None:

@@ -53,10 +53,9 @@ def prefill_workspace_bytes(config: EngineConfig, spec, dtype) -> int:
     """Transient bytes of one prefill step of --max-prefill-tokens tokens (module docstring): per token the
     residual stream and norms (~6 rows of the hidden size), q/k/v and attention output (~3 of (H + 2K) Dh),
     and per routed expert its gate/up, activation and down rows (4 x the expert width + 2 x hidden)."""
-    itemsize = KVCache.nbytes_per_token(spec, dtype) // (2 * spec.num_layers * spec.num_kv_heads * spec.head_dim)
     qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
     per_token = 6 * spec.hidden_size + 3 * qkv + spec.top_k * (4 * spec.moe_intermediate_size + 2 * spec.hidden_size)
-    return config.max_prefill_tokens * per_token * itemsize
+    return config.max_prefill_tokens * per_token * dtype.itemsize
 
 
 def decide_kv_budget(config: EngineConfig, spec, dtype) -> KVBudget:

@@ -169,7 +169,7 @@ class PackedPrefill:
     seq_start: torch.Tensor  # [N] int32
     cu_query: torch.Tensor  # [N + 1] int32
     max_query_len: int
-    rows: dict = field(default_factory=dict, repr=False)  # id(KVCache) -> slot_mapping [T] int64
+    rows: torch.Tensor | None = field(default=None, repr=False)  # slot_mapping [T] int64, once computed
 
     @staticmethod
     def build(batch: ForwardBatch, device: torch.device) -> "PackedPrefill":
@@ -192,7 +192,6 @@ class PackedPrefill:
 
     def slot_mapping(self, kv: KVCache) -> torch.Tensor:
         """[T] flat pool rows of the new tokens (computed once per forward from the device block table)."""
-        key = id(kv)
-        if key not in self.rows:
-            self.rows[key] = kv.slot_mapping(self.tok_slot, self.tok_pos)
-        return self.rows[key]
+        if self.rows is None:
+            self.rows = kv.slot_mapping(self.tok_slot, self.tok_pos)
+        return self.rows

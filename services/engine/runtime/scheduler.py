@@ -137,7 +137,8 @@ class Scheduler:
     def __init__(self, max_running: int, max_waiting: int, max_seq_len: int, eos_token_ids: list[int],
                  max_prefill_tokens: int | None = None, prefix_cache: bool = True, one_prompt_per_step: bool = False,
                  blocks: BlockManager | None = None):
-        """``blocks``: the KV pool's manager (default: room for ``max_running`` requests of ``max_seq_len``)."""
+        """``blocks``: the KV pool's manager, which also says whether the prefix cache is on (default: room for
+        ``max_running`` requests of ``max_seq_len``, the prefix cache as ``prefix_cache`` says)."""
         self.max_running = max_running
         self.max_waiting = max_waiting
         self.max_seq_len = max_seq_len
@@ -152,7 +153,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the newest is preempted first
         self.free_slots: list[int] = list(range(max_running))
-        self.prefix_cache = prefix_cache and blocks.prefix_cache
         self.one_prompt_per_step = one_prompt_per_step
         self.prompt_tokens_total = 0  # prompt tokens of admitted requests
         self.cached_tokens_total = 0  # of those, taken from the prefix cache
@@ -391,5 +391,5 @@ class Scheduler:
                 **blocks, "kv_tokens_used": blocks["kv_blocks_used"] * self.blocks.block_size,
                 "kv_tokens_total": blocks["kv_blocks_total"] * self.blocks.block_size,
                 "preemptions": self.preemptions_total,
-                "prefix_cache": {"enabled": self.prefix_cache, "prompt_tokens": self.prompt_tokens_total,
+                "prefix_cache": {"enabled": self.blocks.prefix_cache, "prompt_tokens": self.prompt_tokens_total,
                                  "cached_tokens": self.cached_tokens_total}}
