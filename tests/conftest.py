@@ -24,6 +24,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run under the interpreter. TRITON_INTERPRET must be set before triton is
+# first imported by anything (a test module collected earlier that imports a kernel module fixes the mode
+# for the whole process), so it is set here, before any test module is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from benchmarks.server_process import ServiceProcess, free_port as free_port_now
 

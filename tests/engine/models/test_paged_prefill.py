@@ -8,13 +8,9 @@ Triton kernel (under the interpreter) both."""
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():  # the Triton case runs under the interpreter: set before the kernels load
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from services.engine.models import fused
 from services.engine.models.attention import Attention
