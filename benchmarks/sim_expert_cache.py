@@ -40,7 +40,10 @@ import torch
 from tqdm import tqdm
 
 from kernels.ensure_experts_ref import USE_CAP, USE_SHIFT, check_use_cap
+from benchmarks import routing_workloads
 from services.engine.moe.hybrid_split import split_max_tokens  # above: a call takes the offload path (every miss fetched)
+
+from services.engine.runtime.routing_trace import MAGIC as ROUTING_MAGIC, read_trace
 
 Q16 = 1 << 16
 _PROTECTED = 1 << 62  # a slot hit or taken in this call: never the victim
@@ -105,6 +108,8 @@ class SlotCache:
         self.next_use = np.full(num_layers * num_experts, _NEVER, dtype=np.int64)  # belady: the call routing it next
         self.clock = 0
         self.hits = self.misses = 0
+        self.layer_hits = np.zeros(num_layers, dtype=np.int64)
+        self.layer_misses = np.zeros(num_layers, dtype=np.int64)
 
     def _fetch_count(self, M: int, n_hit: int) -> int:
         """F of kernels/ensure_experts_hybrid.py: lo or lo + 1, whichever balances the two sides better."""
@@ -147,6 +152,8 @@ class SlotCache:
         missed = [e for e in experts if self.slot_of_id[base + e] < 0]
         self.hits += len(cached)
         self.misses += len(missed)
+        self.layer_hits[base // self.E] += len(cached)
+        self.layer_misses[base // self.E] += len(missed)
         return cached, missed
 
     def _ensure(self, base: int, hits: list[int], fetch: list[int]) -> None:
@@ -195,13 +202,17 @@ def replay(trace: dict, cache_rate: float, fetch_fraction: float, evict: str, fe
     future = next_uses(calls) if evict == "belady" else [None] * len(calls)
     first_measured = trace["last_request_start"] + trace["prefill_calls"] + warmup * L
     hits = misses = 0
+    layer_hits, layer_misses = np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64)
     for i, (layer, *routes) in enumerate(calls):
         if i == first_measured:
             hits, misses = cache.hits, cache.misses
+            layer_hits, layer_misses = cache.layer_hits.copy(), cache.layer_misses.copy()
         cache.call(layer, routes, future[i])
     measured = (cache.hits - hits) + (cache.misses - misses)
+    per_layer = (cache.layer_misses - layer_misses) / np.maximum(1, cache.layer_hits - layer_hits
+                                                                 + cache.layer_misses - layer_misses)
     return {"fetch_fraction": fetch_fraction, "evict": evict, "fetch": fetch, "slots": cache.S,
-            "miss_rate": (cache.misses - misses) / max(1, measured)}
+            "miss_rate": (cache.misses - misses) / max(1, measured), "per_layer_miss_rate": per_layer.round(4).tolist()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,51 +229,104 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=384,
                    help="decode tokens replayed before the miss rate is counted (default: %(default)s, as "
                         "bench_decode_moe's warm-up request)")
-    p.add_argument("--cache-rate", type=float, default=0.33, help="share of all experts with a slot (default: %(default)s)")
+    p.add_argument("--cache-rate", default="0.33",
+                   help="comma list of shares of all experts with a slot (default: %(default)s)")
     p.add_argument("--fetch-fraction", default="1,0.28",
                    help="comma list of f: 1 = offload, below = hybrid's split (default: %(default)s)")
     p.add_argument("--lfu-cap", type=int, default=USE_CAP,
                    help="lfu's use counts, every layer's, halve when one reaches this (the engine's "
                         "--moe-cache-lfu-cap; lower ages faster) (default: %(default)s)")
-    p.add_argument("--trace", type=Path, help="replay this trace (from --trace-out) instead of tracing")
+    p.add_argument("--trace", type=Path,
+                   help="replay this trace instead of tracing: one from --trace-out, or a routing trace the engine "
+                        "recorded (tandem serve --record-routing DIR; every call measured, --warmup 0)")
+    p.add_argument("--fit", type=Path, metavar="TRACE",
+                   help="fit a routing preset to this engine routing trace and write it to --out (serve it as "
+                        "synthetic:NAME?routing=file:PATH at the trace's geometry)")
+    p.add_argument("--out", type=Path, help="--fit: where the preset goes")
     p.add_argument("--trace-out", type=Path, help="write the trace here")
     p.add_argument("--json", type=Path, help="write the rows here")
     args = p.parse_args(argv)
+    if args.fit:
+        return fit_preset(p, args.fit, args.out)
     try:
         fractions = [float(f) for f in args.fetch_fraction.split(",")]
+        rates = [float(r) for r in args.cache_rate.split(",")]
     except ValueError:
-        p.error(f"--fetch-fraction: expected a comma list of numbers, got {args.fetch_fraction!r}")
+        p.error("--fetch-fraction and --cache-rate: expected comma lists of numbers")
     if args.requests < 1:
         p.error(f"--requests must be at least 1, got {args.requests}")
     if not 2 <= args.lfu_cap <= USE_CAP:
         p.error(f"--lfu-cap must be in [2, {USE_CAP}], got {args.lfu_cap}")
-    if not all(0 <= f <= 1 for f in fractions) or not 0 < args.cache_rate <= 1:
+    if not all(0 <= f <= 1 for f in fractions) or not all(0 < r <= 1 for r in rates):
         p.error("--fetch-fraction values and --cache-rate must lie in [0, 1] (cache rate above 0)")
-    if args.trace:
+    if args.trace and args.trace.read_bytes()[:len(ROUTING_MAGIC)] == ROUTING_MAGIC:
+        trace = routing_workloads.from_engine_trace(args.trace)
+        args.warmup = 0
+    elif args.trace:
         trace = json.loads(args.trace.read_text())
+    elif "routing=" in args.model and "routing=uniform" not in args.model:  # the preset's process: no model to run
+        trace = routing_workloads.from_preset(args.model, args.tokens, args.prompt_len, args.requests)
     else:
-        from services.engine.config import EngineConfig
-        from services.engine.models.registry import load_model
-
-        lm = load_model(EngineConfig(model=args.model, device="cpu", dtype=args.dtype, moe_backend="resident",
-                                     max_seq_len=args.prompt_len + args.tokens + 1))
-        L = len(lm.banks.layers)
-        calls, last_start = [], 0
-        for request in range(args.requests):  # one cache sees them all: the replay carries it across
-            last_start = len(calls)
-            calls += record_trace(lm, args.tokens, args.prompt_len, seed=request)
-        trace = {"model": args.model, "layers": L, "experts": lm.banks.layers[0].num_experts,
-                 "prefill_calls": L, "tokens": args.tokens, "requests": args.requests, "last_request_start": last_start,
-                 "calls": calls}
-        if args.trace_out:
-            args.trace_out.write_text(json.dumps(trace))
-    if args.warmup >= trace["tokens"]:
+        trace = record_model_trace(args)
+    if args.trace_out:
+        args.trace_out.write_text(json.dumps(trace))
+    if args.warmup and args.warmup >= trace["tokens"]:
         p.error(f"--warmup {args.warmup} leaves none of the trace's {trace['tokens']} tokens to measure")
-    rows = [replay(trace, args.cache_rate, f, evict, fetch, args.warmup, use_cap=args.lfu_cap)
+    for rate in rates:
+        report(trace, rate, fractions, args)
+    return 0
+
+
+def record_model_trace(args) -> dict:
+    """Trace ``args.requests`` requests of ``args.model`` decoding on the CPU (its router's own routing)."""
+    from services.engine.config import EngineConfig
+    from services.engine.models.registry import load_model
+
+    lm = load_model(EngineConfig(model=args.model, device="cpu", dtype=args.dtype, moe_backend="resident",
+                                 max_seq_len=args.prompt_len + args.tokens + 1))
+    L = len(lm.banks.layers)
+    calls, last_start = [], 0
+    for request in range(args.requests):  # one cache sees them all: the replay carries it across
+        last_start = len(calls)
+        calls += record_trace(lm, args.tokens, args.prompt_len, seed=request)
+    return {"model": args.model, "layers": L, "experts": lm.banks.layers[0].num_experts, "prefill_calls": L,
+            "tokens": args.tokens, "requests": args.requests, "last_request_start": last_start, "calls": calls}
+
+
+def fit_preset(p: argparse.ArgumentParser, path: Path, out: Path | None) -> int:
+    """--fit: a preset from an engine routing trace, with the trace's and the preset's statistics side by side."""
+    from benchmarks import routing_stats
+
+    if out is None:
+        p.error("--fit needs --out PATH for the preset")
+    try:
+        trace = read_trace(path)
+    except (OSError, ValueError) as e:
+        p.error(str(e))
+    sequences = [s for s in trace.sequences().values() if s.shape[1] >= 2]
+    if not sequences:
+        p.error(f"{path}: no request of two or more tokens to fit")
+    tables = routing_workloads.fit(sequences, trace.experts, trace.top_k)
+    tables.save(out, source=f"fitted to {path.name} ({trace.header['model']}, {len(sequences)} requests)")
+    fitted = routing_stats.preset_ids(tables, trace.top_k, max(s.shape[1] for s in sequences))
+    print(f"{path.name}: {trace.header['model']}, {len(sequences)} requests, {trace.layers} MoE layers x "
+          f"{trace.experts} experts, top-{trace.top_k} -> {out}")
+    print(f"{'':>22} | {'trace':>6} | {'preset':>6}")
+    longest = max(sequences, key=lambda s: s.shape[1])
+    warm = min(64, longest.shape[1] // 2)
+    for label, fn in [("next-token repeats", routing_stats.repeat_rate)] + [
+            (f"LRU hits at {share:.0%}", lambda ids, share=share: routing_stats.lru_hits(ids, trace.experts, share, warm))
+            for share in (0.1, 0.25, 0.4)]:
+        print(f"{label:>22} | {fn(longest):6.3f} | {fn(fitted):6.3f}")
+    return 0
+
+
+def report(trace: dict, cache_rate: float, fractions: list[float], args) -> None:
+    rows = [replay(trace, cache_rate, f, evict, fetch, args.warmup, use_cap=args.lfu_cap)
             for f in fractions for evict in EVICT for fetch in FETCH
             if (f < 1 and evict != "belady") or fetch == "lowest-id"]  # offload: no order to choose
     print(f"{trace['model']}: {trace['requests']} x {trace['tokens']} decode tokens, {rows[0]['slots']} slots "
-          f"({args.cache_rate:.0%} of {trace['layers']} x {trace['experts']} experts), measured after {args.warmup}, "
+          f"({cache_rate:.0%} of {trace['layers']} x {trace['experts']} experts), measured after {args.warmup}, "
           f"lfu cap {args.lfu_cap}")
     print(f"{'f':>5} | {'evict':>6} | {'fetch':>9} | miss rate | vs lru + lowest-id (--moe-cache-policy lru) "
           "(belady: the bound, it reads the future)")
@@ -272,9 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['fetch_fraction']:5.2f} | {r['evict']:>6} | {r['fetch']:>9} | {r['miss_rate']:9.3f} | "
               f"{r['miss_rate'] / base['miss_rate'] - 1:+.1%}")
     if args.json:
-        args.json.write_text(json.dumps({"model": trace["model"], "tokens": trace["tokens"], "lfu_cap": args.lfu_cap,
-                                         "rows": rows}, indent=2))
-    return 0
+        with args.json.open("a") as f:  # one JSON line per cache share
+            f.write(json.dumps({"model": trace["model"], "tokens": trace["tokens"], "lfu_cap": args.lfu_cap,
+                                "cache_rate": cache_rate, "rows": rows}) + "\n")
 
 
 if __name__ == "__main__":

@@ -142,6 +142,11 @@ class EngineConfig:
                                   "off. Cost: a decode step of one stream costs what one of --max-running-requests "
                                   "streams costs, and arrivals are prefilled one per step. resident and offload "
                                   "only; on --device cpu float32 only (docs/serving.md)")
+    record_routing: str | None = field(None, help="write every MoE layer's expert ids of every computed token to a "
+                                       "routing trace in this directory (one file per start; replay it with "
+                                       "benchmarks/sim_expert_cache.py --trace, or fit a preset with --fit); turns "
+                                       "CUDA graphs off while it records; unset = off")
+    record_routing_max_gb: float = field(1.0, help="--record-routing: the trace file stops growing at this many GB")
     served_model_name: str = field("", help="the name(s) clients call the model by, comma-separated (aliases; the "
                                             "first is its id in the engine's info); empty = the checkpoint's own id")
     host: str = field("127.0.0.1", help="address to listen on")
@@ -189,6 +194,8 @@ class EngineConfig:
             raise ValueError(f"--gpu-memory-limit must be positive GiB, got {self.gpu_memory_limit}")
         if self.max_prefill_tokens is None:
             self.max_prefill_tokens = DEFAULT_PREFILL_TOKENS
+        if self.record_routing_max_gb <= 0:
+            raise ValueError(f"--record-routing-max-gb must be positive, got {self.record_routing_max_gb}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"--kv-cache-memory must be positive GiB, got {self.kv_cache_memory}")
         for name in ("max_running_requests", "max_waiting_requests", "max_seq_len", "max_prefill_tokens"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 from collections import deque
 from typing import Any, Callable
 
@@ -24,6 +25,7 @@ from services.engine.reports import build_info
 from services.engine.runtime.block_manager import BlockManager
 from services.engine.runtime.grammar import GrammarCompiler, TokenMasks
 from services.engine.runtime.kv_budget import decide_kv_budget, resolve_max_seq_len
+from services.engine.runtime.routing_trace import RoutingRecorder
 from services.engine.runtime.sampler import SamplingParams
 from services.engine.runtime.scheduler import (InvalidRequestError, QueueFullError, Request, RequestTooLongError,
                                                Scheduler)
@@ -136,6 +138,8 @@ class Engine(StepLoop, EngineStatus):
             self._thread.join(timeout_s)
         if self.runner is not None and (self._thread is None or not self._thread.is_alive()):
             self.runner.close()  # its compile watch (process-wide hooks), once the model thread is done with it
+            if self.loaded.model.recorder is not None:
+                self.loaded.model.recorder.close()
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until serving (for tests and `tandem serve`); raise if loading failed or timed out."""
@@ -216,6 +220,11 @@ class Engine(StepLoop, EngineStatus):
         log.info("KV cache: %s", budget.describe())
         blocks = BlockManager(budget.num_blocks, budget.block_size, cfg.max_running_requests, cfg.max_seq_len,
                               cfg.prefix_cache)
+        if cfg.record_routing:
+            spec = self.loaded.spec
+            self.loaded.model.set_recorder(RoutingRecorder(Path(cfg.record_routing), self.loaded.model_id,
+                                                           spec.num_moe_layers, spec.num_experts, spec.top_k,
+                                                           int(cfg.record_routing_max_gb * 1e9)))
         self.runner = ModelRunner(self.loaded, cfg.max_running_requests, cfg.max_seq_len, device, dtype,
                                   backend_name=cfg.moe_backend.value, eos_token_ids=self._info["eos_token_ids"],
                                   masks=TokenMasks(self.grammars.mask_vocab), progress=self._on_progress,

@@ -17,7 +17,9 @@ from services.engine.models.rope import Rotary
 from services.engine.models.spec import ModelSpec
 from services.engine.moe.backends import ExpertBackend
 from services.engine.moe.layer import MoEBlock
+from services.engine.moe.routing_presets import SyntheticRouting
 from services.engine.runtime.kv_cache import ForwardBatch, KVCache, upload
+from services.engine.runtime.routing_trace import RoutingRecorder
 
 
 class DecoderLayer(nn.Module):
@@ -71,6 +73,8 @@ class MoECausalLM(nn.Module):
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+        self.routing: SyntheticRouting | None = None  # a synthetic model's routing preset (set_routing)
+        self.recorder: RoutingRecorder | None = None  # --record-routing (set_recorder)
 
     def moe_blocks(self) -> list[MoEBlock]:
         return [layer.ffn for layer in self.model.layers if isinstance(layer.ffn, MoEBlock)]
@@ -79,6 +83,18 @@ class MoECausalLM(nn.Module):
         """Attach the expert backend every MoE block hands its routed experts to."""
         for block in self.moe_blocks():
             block.backend = backend
+
+    def set_routing(self, routing: SyntheticRouting) -> None:
+        """Let a routing preset's process pick every MoE block's experts (synthetic models only)."""
+        self.routing = routing
+        for block in self.moe_blocks():
+            block.synthetic = routing
+
+    def set_recorder(self, recorder: RoutingRecorder | None) -> None:
+        """Hand every MoE block's expert ids to ``recorder`` (a routing trace; None stops)."""
+        self.recorder = recorder
+        for block in self.moe_blocks():
+            block.recorder = recorder
 
     @property
     def backend(self) -> ExpertBackend | None:
@@ -100,6 +116,9 @@ class MoECausalLM(nn.Module):
         kv.check(batch)  # a bad slot/position would otherwise be a device-side assert on CUDA
         h = self.model.embed_tokens(input_ids)  # [T, D]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)  # [T, Dh] each
+        if self.routing is not None:  # decode: the graph's static slot tensor; prefill: the packed batch's
+            slots = batch.slot_tensor(h.device) if batch.is_decode else batch.packed(h.device).tok_slot
+            self.routing.begin(positions, slots)
         residual = None
         for layer in self.model.layers:
             h, residual = layer(h, residual, positions, cos, sin, batch, kv)

@@ -58,6 +58,8 @@ from services.engine.models import mxfp4
 from services.engine.models.loader import build_empty_model
 from services.engine.models.quant_config import checkpoint_format
 from services.engine.models.spec import ModelSpec
+from services.engine.moe import routing_presets
+from services.engine.moe.routing_presets import SyntheticRouting
 from services.engine.moe.banks import BANK_SCHEMAS, BIAS_BANKS, ExpertBanks, ExpertFormat, LayerBanks
 
 log = get_logger("synthetic")
@@ -111,22 +113,46 @@ def is_synthetic(model: str) -> bool:
     return model.startswith(PREFIX)
 
 
-def parse_name(model: str) -> tuple[str, dict]:
-    """'synthetic:NAME[?layers=N]' -> (NAME, overrides of the preset config)."""
+OPTIONS = "layers=N, routing=uniform|sticky|moderate|flat|file:PATH, seed=N"
+
+
+def parse_options(model: str) -> tuple[str, dict[str, str]]:
+    """'synthetic:NAME[?layers=N&routing=R&seed=N]' -> (NAME, its options as given)."""
     name, _, query = model[len(PREFIX):].partition("?")
     if name not in PRESETS:
         raise LoaderError(f"--model {model}: unknown synthetic preset {name!r} (presets: {', '.join(PRESETS)})")
-    overrides: dict = {}
-    for key, values in parse_qs(query, strict_parsing=bool(query)).items():
-        if key != "layers":
-            raise LoaderError(f"--model {model}: unknown option {key!r} (options: layers=N)")
-        try:
-            overrides["num_hidden_layers"] = int(values[-1])
-        except ValueError:
-            raise LoaderError(f"--model {model}: layers must be an integer, got {values[-1]!r}") from None
-        if overrides["num_hidden_layers"] <= 0:
-            raise LoaderError(f"--model {model}: layers must be positive")
-    return name, overrides
+    try:
+        pairs = parse_qs(query, strict_parsing=bool(query))
+    except ValueError:
+        raise LoaderError(f"--model {model}: options must read key=value&... ({OPTIONS})") from None
+    options = {key: values[-1] for key, values in pairs.items()}
+    for key, value in options.items():
+        if key not in ("layers", "routing", "seed"):
+            raise LoaderError(f"--model {model}: unknown option {key!r} (options: {OPTIONS})")
+        if key in ("layers", "seed") and not (value.isdigit() and (int(value) > 0 or key == "seed")):
+            raise LoaderError(f"--model {model}: {key} must be a {'positive ' if key == 'layers' else ''}integer, "
+                              f"got {value!r}")
+    if options.get("routing", "uniform").partition(":")[0] not in (*routing_presets.NAMES, "file"):
+        raise LoaderError(f"--model {model}: routing={options['routing']!r}: expected one of "
+                          f"{', '.join(routing_presets.NAMES)} or file:PATH")
+    return name, options
+
+
+def parse_name(model: str) -> tuple[str, dict]:
+    """'synthetic:NAME[?layers=N...]' -> (NAME, overrides of the preset config)."""
+    name, options = parse_options(model)
+    return name, ({"num_hidden_layers": int(options["layers"])} if "layers" in options else {})
+
+
+def synthetic_routing(model: str, spec: ModelSpec, device: torch.device) -> SyntheticRouting | None:
+    """The model's routing preset (``routing=``, its process seeded by ``seed=``, default 0), or None for
+    ``uniform``: the router's own top-k."""
+    _, options = parse_options(model)
+    value, seed = options.get("routing", "uniform"), int(options.get("seed", 0))
+    tables = routing_presets.parse(value, spec.num_moe_layers, spec.num_experts, seed)
+    if tables is None:
+        return None
+    return SyntheticRouting(tables, value, seed, spec.top_k, spec.renormalize, device)
 
 
 def synthetic_spec(model: str, tokenizer_vocab: int) -> ModelSpec:
@@ -222,8 +248,12 @@ def build_synthetic(model: str, tokenizer_vocab: int, device: torch.device, dtyp
                     _fill_(t, param_std(f"experts.{name}", spec), gen)
             if progress is not None:
                 progress({"phase": "building", "done": n + 1, "total": total, "fraction": (n + 1) / total})
-    log.info("built %s: %d layers (%d MoE), E=%d, A=%d, %.1f GB of experts on %s", model, spec.num_layers,
-             spec.num_moe_layers, E, spec.top_k, banks.total_nbytes() / 1e9, banks_device or "cpu")
+    routing = synthetic_routing(model, spec, device)
+    if routing is not None:
+        net.set_routing(routing)
+    log.info("built %s: %d layers (%d MoE), E=%d, A=%d, %.1f GB of experts on %s, routing %s", model, spec.num_layers,
+             spec.num_moe_layers, E, spec.top_k, banks.total_nbytes() / 1e9, banks_device or "cpu",
+             routing.name if routing is not None else "uniform (the router's own)")
     return spec, net, banks
 
 

@@ -16,6 +16,8 @@ from services.engine.models import fused
 from services.engine.models.mlp import DenseMLP
 from services.engine.models.spec import ModelSpec
 from services.engine.moe.backends import ExpertBackend
+from services.engine.moe.routing_presets import SyntheticRouting
+from services.engine.runtime.routing_trace import RoutingRecorder
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,6 +52,9 @@ class MoEBlock(nn.Module):
             self.shared_expert = DenseMLP(D, spec.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(D, 1, bias=False)
         self.backend: ExpertBackend | None = None  # attached by MoECausalLM.set_backend
+        # a routing preset's process picks the experts instead of the router's top-k (MoECausalLM.set_routing)
+        self.synthetic: SyntheticRouting | None = None
+        self.recorder: RoutingRecorder | None = None  # --record-routing: each call's expert ids (MoECausalLM.set_recorder)
 
     @property
     def router_linear(self) -> nn.Linear:
@@ -59,8 +64,13 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
         router = self.router_linear
-        topk_weights, topk_ids = route(fused.linear(x, router.weight, router.bias), self.top_k,
-                                       self.renormalize)  # [T, A] fp32, int64
+        logits = fused.linear(x, router.weight, router.bias)  # [T, E]
+        if self.synthetic is not None:
+            topk_weights, topk_ids = self.synthetic.route(self.moe_layer, logits)  # [T, A] fp32, int64
+        else:
+            topk_weights, topk_ids = route(logits, self.top_k, self.renormalize)
+        if self.recorder is not None:
+            self.recorder.record(self.moe_layer, topk_ids)
         if self.backend is None:
             raise RuntimeError("MoEBlock has no expert backend; call MoECausalLM.set_backend(...) first")
         out = self.backend.forward(self.moe_layer, x, topk_ids, topk_weights)  # [T, D]

@@ -83,7 +83,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # Graphs are allowed on CUDA unless turned off; they are captured while the backend is graph-safe
         # (`auto` may swap backends later and call recapture()).
-        self.graphs_enabled = device.type == "cuda" and env("TANDEM_CUDA_GRAPHS") != "0"
+        # A routing trace reads each step's expert ids back in Python: no graphs while recording.
+        self.graphs_enabled = device.type == "cuda" and env("TANDEM_CUDA_GRAPHS") != "0" and self.model.recorder is None
         self._graph_safe_default = backend_name in GRAPH_SAFE_BACKENDS
         self.batch_invariant = batch_invariant
         # one spare slot for padding rows (graph replays, batch-invariant decode steps): no request owns it;
@@ -97,6 +98,8 @@ class ModelRunner:
                               block_size=blocks.block_size)
         self.num_slots = num_slots
         self.pad_slot = num_slots if padded else None
+        if self.model.routing is not None:  # a salt per slot, padding slot included, before any capture
+            self.model.routing.reserve(num_slots + 1)
         self.progress = progress
         if device.type == "cuda":
             self.warm_up()
@@ -189,6 +192,11 @@ class ModelRunner:
         to pinned memory behind the sampling, and ``collect`` waits for that copy alone."""
         launched_at = time.perf_counter()  # before the forward: on the CPU it runs right here, synchronously
         ids = after.tokens if after is not None else None  # [N] on the device
+        if self.model.routing is not None:  # a routing preset: each request its own random numbers
+            self.model.routing.assign(batch.slots, [r.request_id for r in batch.requests])
+        recorder = self.model.recorder
+        if recorder is not None:
+            recorder.begin_step([r.request_id for r in batch.requests], batch.start_pos, batch.query_lens)
         if self.blocks is not None and self.blocks.version != self._tables_version:  # blocks taken or freed
             self.kv.load_tables(self.blocks.host_table, self.blocks.cols)
             self._tables_version = self.blocks.version
@@ -201,6 +209,8 @@ class ModelRunner:
             logits = self._forward_mixed(batch)  # [N, V] or None
         if logits is None:
             logits = self.forward_eager(batch, ids)
+        if recorder is not None:
+            recorder.end_step()
         rows = [i for i, s in enumerate(batch.samples) if s]
         step = LaunchedStep(batch, rows, launched_at=launched_at)
         if not rows:  # every row a mid-prompt chunk
