@@ -272,8 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         args.trace_out.write_text(json.dumps(trace))
     if args.warmup and args.warmup >= trace["tokens"]:
         p.error(f"--warmup {args.warmup} leaves none of the trace's {trace['tokens']} tokens to measure")
-    for rate in rates:
-        report(trace, rate, fractions, args)
+    rows = [row for rate in rates for row in report(trace, rate, fractions, args)]
+    if args.json:
+        args.json.write_text(json.dumps({"model": trace["model"], "tokens": trace["tokens"], "lfu_cap": args.lfu_cap,
+                                         "rows": rows}, indent=2))
     return 0
 
 
@@ -321,7 +323,8 @@ def fit_preset(p: argparse.ArgumentParser, path: Path, out: Path | None) -> int:
     return 0
 
 
-def report(trace: dict, cache_rate: float, fractions: list[float], args) -> None:
+def report(trace: dict, cache_rate: float, fractions: list[float], args) -> list[dict]:
+    """Replay every policy at one cache share; print the table and return its rows."""
     rows = [replay(trace, cache_rate, f, evict, fetch, args.warmup, use_cap=args.lfu_cap)
             for f in fractions for evict in EVICT for fetch in FETCH
             if (f < 1 and evict != "belady") or fetch == "lowest-id"]  # offload: no order to choose
@@ -335,10 +338,7 @@ def report(trace: dict, cache_rate: float, fractions: list[float], args) -> None
                     and b["fetch"] == "lowest-id")
         print(f"{r['fetch_fraction']:5.2f} | {r['evict']:>6} | {r['fetch']:>9} | {r['miss_rate']:9.3f} | "
               f"{r['miss_rate'] / base['miss_rate'] - 1:+.1%}")
-    if args.json:
-        with args.json.open("a") as f:  # one JSON line per cache share
-            f.write(json.dumps({"model": trace["model"], "tokens": trace["tokens"], "lfu_cap": args.lfu_cap,
-                                "cache_rate": cache_rate, "rows": rows}) + "\n")
+    return [{"cache_rate": cache_rate, **r} for r in rows]
 
 
 if __name__ == "__main__":
