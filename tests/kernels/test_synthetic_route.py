@@ -62,3 +62,29 @@ def test_requests_and_layers_draw_their_own_experts():
     assert same(a, b) < 0.7 and same(a, a1) < 0.7  # overlap from the shared popularity only
     r.assign([0], ["req-b"])  # slot 0 now holds request b: it routes as b did in slot 1
     assert torch.equal(synthetic_route_ref(*_args(r, logits, pos, torch.zeros(T, dtype=torch.long)))[1], b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_kernel_and_graph_replays_equal_the_reference():
+    """On the GPU: the compiled kernel gives the reference's experts at every decode size class, inside a captured
+    graph replayed at new positions and slots too."""
+    r = _routing("sticky", 128, 8, layers=1)
+    r.reserve(8)
+    r.assign(list(range(8)), [f"q{i}" for i in range(8)])
+    cuda = SyntheticRouting(RoutingTables.from_preset(PRESETS["sticky"], 1, 128, seed=3), "sticky", 3, 8, True,
+                            torch.device("cuda"), max_slots=8)
+    cuda.assign(list(range(8)), [f"q{i}" for i in range(8)])
+    logits = torch.randn(8, 128, device="cuda", dtype=torch.bfloat16)
+    pos = torch.zeros(8, dtype=torch.long, device="cuda")
+    slots = torch.arange(8, device="cuda")
+    static_args = (logits, pos, slots, cuda.salt, cuda.keys[0], cuda.stay[0], cuda.cdf[0], cuda.perm[0], 8, True)
+    synthetic_route(*static_args)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w, ids = synthetic_route(*static_args)
+    for step in (0, 5, 63, 64, 1000):
+        pos.copy_(torch.arange(8, device="cuda") + step)
+        graph.replay()
+        w_ref, ids_ref = synthetic_route_ref(*_args(r, logits.float().cpu(), pos.cpu(), slots.cpu()))
+        assert torch.equal(ids.cpu(), ids_ref)
+        torch.testing.assert_close(w.cpu(), w_ref, rtol=2e-3, atol=1e-4)
