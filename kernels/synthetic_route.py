@@ -139,11 +139,13 @@ def _synthetic_route_kernel(
     mask_a = offs_a < A
     mask_e = offs_e < E
     phase = (offs_a * SPAN) // A
-    last = tl.full([BLOCK_A], -1, dtype=tl.int64)
-    for back in range(SPAN):  # walk back to each lane's last fresh position (the reference stops early)
+    last = tl.where(mask_a, -1, 0).to(tl.int64)  # padding lanes count as found
+    back = 0
+    while tl.min(last, axis=0) < 0:  # walk back to each lane's last fresh position (ends within SPAN steps)
         u = pos - back
         fresh = (u == 0) | ((u + phase) % SPAN == 0) | (_uniform(_hash2(_hash2(tok_key, tl.maximum(u, 0)), offs_a)) >= stay)
         last = tl.where((last < 0) & fresh & (u >= 0), u, last)
+        back += 1
     lane_key = _hash2(tok_key, last)  # [BLOCK_A]
     cdf = tl.load(cdf_ptr + offs_e, mask=mask_e, other=2.0)
     chosen = tl.full([BLOCK_A], -1, dtype=tl.int64)
