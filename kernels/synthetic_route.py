@@ -153,12 +153,15 @@ def _synthetic_route_kernel(
         if a < A:
             k_a = tl.sum(tl.where(offs_a == a, lane_key, 0), axis=0)
             cand = _draw(k_a, A + a, cdf, offs_e, mask_e, perm_ptr, E)
-            for k in tl.static_range(1, N_REDRAWS + 1):
+            taken = tl.sum(tl.where(chosen == cand, 1, 0), axis=0) > 0
+            k = 1
+            while taken & (k <= N_REDRAWS):  # draw again only on a collision (rare): the usual lane costs one draw
+                cand = _draw(k_a, A * (k + 1) + a, cdf, offs_e, mask_e, perm_ptr, E)
                 taken = tl.sum(tl.where(chosen == cand, 1, 0), axis=0) > 0
-                cand = tl.where(taken, _draw(k_a, A * (k + 1) + a, cdf, offs_e, mask_e, perm_ptr, E), cand)
-            for _ in tl.static_range(BLOCK_A):
+                k += 1
+            while taken:  # then the next free id (ends within A steps)
+                cand = (cand + 1) % E
                 taken = tl.sum(tl.where(chosen == cand, 1, 0), axis=0) > 0
-                cand = tl.where(taken, (cand + 1) % E, cand)
             chosen = tl.where(offs_a == a, cand, chosen)
     x = tl.load(logits_ptr + t * stride_l + offs_e, mask=mask_e, other=float("-inf")).to(tl.float32)
     m = tl.max(x, axis=0)
@@ -187,6 +190,6 @@ def synthetic_route(router_logits: torch.Tensor, positions: torch.Tensor, token_
             key, stay, E, top_k, router_logits.stride(0), weights.stride(0), ids.stride(0),
             RENORMALIZE=renormalize, SPAN=LANE_SPAN, N_REDRAWS=REDRAWS,
             BLOCK_E=triton.next_power_of_2(E), BLOCK_A=triton.next_power_of_2(top_k),
-            num_warps=4 if E >= 128 else 1,
+            num_warps=1,  # one warp: every reduction here stays in registers (across warps each is a barrier)
         )
     return weights, ids

@@ -24,7 +24,7 @@ def _args(r: SyntheticRouting, logits, positions, slots, layer: int = 0):
 
 
 @pytest.mark.parametrize("name, E, A, renormalize", [("sticky", 128, 8, True), ("moderate", 40, 6, False),
-                                                     ("flat", 16, 4, True)])
+                                                     ("flat", 16, 4, True), ("sticky", 8, 8, True)])  # A = E: every lane collides but one
 def test_kernel_equals_reference(name, E, A, renormalize):
     r = _routing(name, E, A, renormalize=renormalize)
     # two requests; positions at 0, around a lane-span boundary and far in the sequence
