@@ -16,6 +16,9 @@ Steps, in order (``--steps`` picks some), each by calling the benchmark that own
                -> resident.json
     long       python -m benchmarks.bench_serving --prompt-tokens: time to first token of long prompts, offload
                and hybrid with a third cached on a 24 GiB budget -> long.jsonl, long.png
+    routing    python -m benchmarks.bench_decode_moe on the synthetic model under the sticky and flat routing
+               presets (docs/routing.md), every offloading backend at a third cached -> routing.jsonl,
+               routing.png (skipped when --model is not synthetic: a real model routes as it routes)
 
 then writes suite.json (every row, the ceilings and the exact command of each step), sweep.png (tok/s
 against the share cached) and table.md (the page's headline table with this host's numbers).
@@ -34,7 +37,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-STEPS = ("ceilings", "decode", "serving", "resident", "long")
+ROUTINGS = ("sticky", "flat")  # the routing step's presets (uniform: the decode step)
+STEPS = ("ceilings", "decode", "serving", "resident", "long", "routing")
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,8 @@ class Scale:
     long_backends: str = ""  # at serving_cache_rate
     long_args: tuple[str, ...] = ()  # extra bench_serving flags of the long step (the GPU budget)
     ceilings_args: tuple[str, ...] = ()
+    routing_model: str = ""  # the synthetic model of the routing step (default: the scale's model)
+    routing_backends: str = "resident,offload,hybrid,auto"  # at serving_cache_rate (resident: everything cached)
 
 
 SCALES = {
@@ -71,7 +77,7 @@ SCALES = {
                   headline=(("resident", None), ("hybrid", 0.5), ("cpu", 0.25)), sweep_backends="",
                   sweep_rates="", concurrency="1,2", ceilings_args=("--buffer-mib", "64", "--reps", "3"),
                   serving_backend="hybrid", serving_cache_rate=0.5, serving_prompts=2, long_prompts="300,1200",
-                  long_backends="hybrid"),
+                  long_backends="hybrid", routing_model="synthetic:tiny", routing_backends="hybrid"),
 }
 
 
@@ -86,7 +92,15 @@ def step_commands(scale: Scale, model: str, out: Path, timeout_s: float) -> dict
                    for backend, rate in scale.headline]
     if scale.sweep_backends:
         decode_runs.append([*decode, "--backend", scale.sweep_backends, "--cache-rate", scale.sweep_rates])
+    routing_model = scale.routing_model if model == scale.model and scale.routing_model else model
+    routing = [] if not routing_model.startswith("synthetic:") else [
+        [*decode[:2], f"{routing_model}{'&' if '?' in routing_model else '?'}routing={preset}", *decode[3:],
+         "--backend", scale.routing_backends, "--cache-rate", str(scale.serving_cache_rate)]
+        for preset in ROUTINGS]
+    for argv_ in routing:
+        argv_[argv_.index(str(out / "decode.jsonl"))] = str(out / "routing.jsonl")
     return {
+        "routing": routing,
         "ceilings": [["benchmarks.ceilings", "--json", str(out / "ceilings.json"), *scale.ceilings_args]],
         "decode": decode_runs,
         "serving": [["benchmarks.bench_serving", *common, "--backend", scale.serving_backend,
@@ -141,7 +155,8 @@ def read_rows(out: Path) -> dict:
         return json.loads(path.read_text())
 
     return {"ceilings": load("ceilings.json"), "decode": load("decode.jsonl") or [],
-            "serving": load("serving.jsonl") or [], "resident": load("resident.json"), "long": load("long.jsonl") or []}
+            "serving": load("serving.jsonl") or [], "resident": load("resident.json"), "long": load("long.jsonl") or [],
+            "routing": load("routing.jsonl") or []}
 
 
 def _fmt(value, digits: int = 1) -> str:
@@ -202,6 +217,15 @@ def markdown(scale: Scale, model: str, results: dict, commands: dict[str, list[s
             continue
         lines.append(f"| {r['backend']} | {r['prompt_tokens']} | {_fmt(r['ttft_s'], 3)} | {_fmt(r['prefill_tok_s'], 0)} | "
                      f"{_fmt(r['decode_tok_s'])} | {_fmt(r.get('peak_allocated_gib'))} |")
+    lines += ["", f"## By routing ({100 * scale.serving_cache_rate:g} % cached; docs/routing.md)", "",
+              "| backend | routing | tok/s | miss rate | bound tok/s | of the bound |", "|---|---|---|---|---|---|"]
+    for r in results.get("routing") or []:
+        routing = r["model"].rpartition("routing=")[2]
+        if not r.get("ok"):
+            lines.append(f"| {r['backend']} | {routing} | failed: {str(r.get('error', ''))[:80]} | | | |")
+            continue
+        lines.append(f"| {r['backend']} | {routing} | {_fmt(r['decode_tok_s'])} | {_fmt(r.get('miss_rate'), 3)} | "
+                     f"{_fmt(r.get('bound_tok_s'))} | {_fmt(r.get('bound_ratio'), 2)} |")
     lines += ["", "## Ceilings", "", "| ceiling | value |", "|---|---|"]
     lines += [f"| {k} | {_fmt(v)} |" for k, v in ceilings.items() if isinstance(v, float)]
     lines += ["", "## Commands", ""]
@@ -230,16 +254,20 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out
     (out / "logs").mkdir(parents=True, exist_ok=True)
     commands = step_commands(scale, model, out, args.startup_timeout)
-    if "decode" in steps and "ceilings" not in steps and not (out / "ceilings.json").exists():
-        for argv_ in commands["decode"]:  # no ceilings to bound the rows with
+    if "ceilings" not in steps and not (out / "ceilings.json").exists():
+        for argv_ in commands["decode"] + commands["routing"]:  # no ceilings to bound the rows with
             i = argv_.index("--ceilings")
             del argv_[i:i + 2]
-    if "decode" in steps:
-        (out / "decode.jsonl").unlink(missing_ok=True)  # bench_decode_moe appends: start this run's rows afresh
+    for step in ("decode", "routing"):  # bench_decode_moe appends: start this run's rows afresh
+        if step in steps:
+            (out / f"{step}.jsonl").unlink(missing_ok=True)
     status: dict[str, int | str] = {}
     for step in steps:
         if step == "resident" and scale.device != "cuda":
             status[step] = "skipped: needs CUDA"
+            continue
+        if step == "routing" and not commands[step]:
+            status[step] = "skipped: --model is not synthetic"
             continue
         codes = [run_module(argv_, out / "logs" / f"{step}.txt") for argv_ in commands[step]]
         status[step] = max(codes)
@@ -251,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
 
         with contextlib.suppress(ValueError):  # no successful row: no plot, the table says why
             plot_rows(results["decode"], out / "sweep.png", f"{model} ({scale.dtype}, bs=1)")
+    if results["routing"]:
+        from benchmarks.plot_routing import plot as plot_routing
+
+        plot_routing(results["routing"], out / "routing.png", f"{model} by routing ({scale.dtype}, bs=1)")
     summary = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "scale": args.scale,
                "model": model, "status": status, "commands": shown, "headline": headline_rows(scale, results),
                **results}

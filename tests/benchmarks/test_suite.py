@@ -23,7 +23,7 @@ def test_tiny_suite_writes_every_output(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "suite.json").read_text())
     assert summary["status"] == {"ceilings": 0, "decode": 0, "serving": 0, "resident": "skipped: needs CUDA",
-                                 "long": 0}
+                                 "long": 0, "routing": 0}
     assert summary["ceilings"]["cpu_read_sum_fp32_GBs"] > 0 and summary["ceilings"]["gpu"] is None
     assert [(r["backend"], r["cache_rate"]) for r in summary["headline"]] == [("resident", None), ("hybrid", 0.5),
                                                                              ("cpu", 0.25)]
@@ -44,6 +44,11 @@ def test_tiny_suite_writes_every_output(tmp_path):
     assert [r["prompt_tokens"] for r in long] == [300, 1200] and all(r["ok"] and not r["errors"] for r in long)
     assert "## Long prompts" in table and "\n| hybrid | 1200 | " in table
     assert (out / "long.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    routed = [json.loads(line) for line in (out / "routing.jsonl").read_text().splitlines()]
+    assert [r["model"] for r in routed] == ["synthetic:tiny?routing=sticky", "synthetic:tiny?routing=flat"]
+    assert all(r["ok"] and r["backend"] == "hybrid" and r["miss_rate"] is not None for r in routed)
+    assert "## By routing" in table and "| hybrid | sticky | " in table
+    assert (out / "routing.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "benchmarks.bench_decode_moe" in table and "bench_resident_decode" not in table  # skipped, not shown
 
 
