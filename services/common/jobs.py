@@ -107,10 +107,17 @@ TASKS = {"bw": BENCH_BW_TASK, "load": BENCH_LOAD_TASK}
 
 
 def node_queue(node: str) -> str:
-    """The queue of the worker on ``node``: a job sent there measures that node's GPUs."""
+    """The queue of the worker on ``node``: a job sent there measures that node's GPUs. The worker takes
+    its node's name as given (a hostname may break the pattern below and must still get its queue);
+    a client's node name is checked first (``check_node``)."""
+    return f"{SHARED_QUEUE}.{node}"
+
+
+def check_node(node: str) -> str:
+    """``node`` when it is a node name (Kubernetes' RFC 1123 form, any case); raises ValueError otherwise."""
     if not re.match(NODE_PATTERN, node):
         raise ValueError(f"not a node name: {node!r} (letters, digits, '-' and '.', at most 253)")
-    return f"{SHARED_QUEUE}.{node}"
+    return node
 
 
 def send_job(celery_app, store: "JobStore", request: BenchBwRequest | BenchLoadRequest, queue: str,

@@ -32,7 +32,8 @@ from fastapi.responses import JSONResponse
 
 from pydantic import TypeAdapter, ValidationError
 
-from services.common.jobs import SHARED_QUEUE, STALLED_AFTER_S, TASKS, JobRequest, JobStore, node_queue, send_job
+from services.common.jobs import (SHARED_QUEUE, STALLED_AFTER_S, TASKS, JobRequest, JobStore, check_node, node_queue,
+                                  send_job)
 from services.common.node_profiles import profile_view, read_reports
 from services.common.logging import get_logger
 from services.common.settings import redact
@@ -110,7 +111,7 @@ def job_queue(body: dict) -> tuple[str, str | None]:
         if not isinstance(node, str):
             raise ValueError("node must be a string (a node name, as `kubectl get nodes` lists it)", "node")
         try:
-            node_q = node_queue(node)
+            node_q = node_queue(check_node(node))
         except ValueError as exc:
             raise ValueError(str(exc), "node") from None
         if queue is not None and queue != node_q:

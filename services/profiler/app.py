@@ -24,7 +24,7 @@ import socket
 from celery import Celery, signals
 from kombu import Queue
 
-from services.common.jobs import JOB_TTL_S, SHARED_QUEUE, JobStore, node_queue, send_job
+from services.common.jobs import JOB_TTL_S, SHARED_QUEUE, JobStore, check_node, node_queue, send_job
 from services.common.settings import env
 
 BW_LIMIT_S = 1800  # bench bw: a few minutes on a GPU host; the hard limit only guards a hang
@@ -113,5 +113,5 @@ def report_profiles() -> None:
 def submit(request, queue: str | None = None, node: str | None = None) -> str:
     """Record and send a job (a ``services.common.jobs`` request) to ``node``'s queue, or ``queue``
     (default: the shared queue); returns the job id. For clients without the gateway (scripts)."""
-    queue = node_queue(node) if node else queue or SHARED_QUEUE
+    queue = node_queue(check_node(node)) if node else queue or SHARED_QUEUE
     return send_job(app, JobStore(env("TANDEM_REDIS_URL")), request, queue, node)
