@@ -8,6 +8,8 @@ declare -A wanted=(
     [redis-server]=redis-server      # Celery broker/backend for the profiling worker
     [prometheus]=prometheus          # scrapes the local stack; promtool checks deploy/prometheus
     [docker-compose]=docker-compose  # `config -q` validates docker-compose.yml (no engine needed)
+    [kubectl]=kubernetes-client      # `kubectl kustomize` renders deploy/k8s (tests/deploy/test_k8s.py; no cluster)
+    [ip]=iproute2                    # network namespaces of tests/deploy/test_multi_host.py
 )
 if [ "${1:-}" = images ]; then
     # tests/deploy/compose_e2e.py: podman (with runc, netavark + aardvark-dns for service names,

@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem serve", description="Serve a MoE model with the OpenAI API: "
                                      "gateway + engine in one process.")
     add_dataclass_arguments(parser, EngineConfig, skip=("host", "port"))
-    add_dataclass_arguments(parser, GatewayConfig, skip=("engines",))
+    add_dataclass_arguments(parser, GatewayConfig, skip=("engines", "engines_dns", "engines_dns_refresh_s"))
     parser.add_argument("--log-level", default=None,
                         help="DEBUG logs each request's summary (default: TANDEM_LOG_LEVEL)")
     return parser

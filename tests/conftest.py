@@ -192,12 +192,12 @@ class CeleryWorker:
     process group, with a fixed hostname so a restart is the same worker coming back."""
 
     def __init__(self, redis_url: str, profiles: Path, queue: str, hostname: str, log_path: Path,
-                 pool: str = "solo"):
+                 pool: str = "solo", node: str | None = None):
         hostname = hostname.replace("%h", socket.gethostname())
         self.redis_url, self.profiles, self.queue, self.hostname = redis_url, profiles, queue, hostname
         self.env = dict(os.environ, TANDEM_REDIS_URL=redis_url, TANDEM_PROFILES_DIR=str(profiles),
                         TANDEM_PROFILER_QUEUE=queue, TANDEM_WORKER_METRICS_PORT="0", PYTHONPATH=str(ROOT),
-                        PYTHONUNBUFFERED="1")
+                        PYTHONUNBUFFERED="1", TANDEM_NODE_NAME=node or f"node-of-{queue}")
         self.cmd = [sys.executable, "-m", "celery", "-A", "services.profiler.app", "worker", "--loglevel", "INFO",
                     "--pool", pool, "--concurrency", "1", "--without-gossip", "--without-mingle",
                     "--without-heartbeat", "-n", hostname]
@@ -266,10 +266,11 @@ def worker_process(tmp_path_factory):
 @pytest.fixture(scope="session")
 def celery_worker(redis_server, tmp_path_factory):
     """A real `celery -A services.profiler.app worker` subprocess on ``redis_server``.
-    Yields (env the worker runs with, its profiles dir, its host queue name)."""
+    Yields (env the worker runs with, its profiles dir, its host queue name); its node is
+    env["TANDEM_NODE_NAME"]."""
     profiles = tmp_path_factory.mktemp("profiles")
     worker = CeleryWorker(redis_server, profiles, f"tandem.test-{os.getpid()}", f"test-{os.getpid()}@%h",
-                          tmp_path_factory.mktemp("worker") / "worker.log", pool="prefork")
+                          tmp_path_factory.mktemp("worker") / "worker.log", pool="prefork", node=f"test-node-{os.getpid()}")
     worker.start()
     yield worker.env, profiles, worker.queue
     worker.stop()

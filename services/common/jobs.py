@@ -8,6 +8,7 @@ write anywhere else.
 Job record (``JobStore``; Redis hash ``tandem:job:<id>``, expiring with the Celery result):
 
     kind, queue, request (JSON), submitted_at    written by the submitter before the task is sent
+    node                                         the node the job was sent to (absent: a queue was named)
     worker, attempts, started_at                 written by the worker each time it starts the job
     heartbeat_at                                 refreshed by the worker every HEARTBEAT_S while it runs
     progress (JSON)                              the benchmark's latest progress line, best effort
@@ -31,6 +32,8 @@ from services.common.profiles import DEFAULT_THRESHOLD
 BENCH_BW_TASK = "tandem.bench_bw"
 BENCH_LOAD_TASK = "tandem.bench_load"
 SHARED_QUEUE = "tandem.profiler"  # every worker consumes it (single-host setups: "any GPU host")
+# A node (host) name as Kubernetes gives it (RFC 1123 subdomain, any case: a bare host's own hostname).
+NODE_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$"
 JOB_TTL_S = 7 * 24 * 3600  # records and Celery results both expire after a week
 MAX_ATTEMPTS = 3  # a job whose worker died this many times (OOM kill, ...) fails instead of running again
 HEARTBEAT_S = 10  # a running job's worker says it is alive this often
@@ -103,11 +106,27 @@ JobRequest = Annotated[Union[BenchBwRequest, BenchLoadRequest], Field(discrimina
 TASKS = {"bw": BENCH_BW_TASK, "load": BENCH_LOAD_TASK}
 
 
-def send_job(celery_app, store: "JobStore", request: BenchBwRequest | BenchLoadRequest, queue: str) -> str:
-    """Record ``request`` and send its task to ``queue`` under the record's id; returns the job id.
-    The record is written first, so the worker always finds it; a send that fails removes it."""
+def node_queue(node: str) -> str:
+    """The queue of the worker on ``node``: a job sent there measures that node's GPUs. The worker takes
+    its node's name as given (a hostname may break the pattern below and must still get its queue);
+    a client's node name is checked first (``check_node``)."""
+    return f"{SHARED_QUEUE}.{node}"
+
+
+def check_node(node: str) -> str:
+    """``node`` when it is a node name (Kubernetes' RFC 1123 form, any case); raises ValueError otherwise."""
+    if not re.match(NODE_PATTERN, node):
+        raise ValueError(f"not a node name: {node!r} (letters, digits, '-' and '.', at most 253)")
+    return node
+
+
+def send_job(celery_app, store: "JobStore", request: BenchBwRequest | BenchLoadRequest, queue: str,
+             node: str | None = None) -> str:
+    """Record ``request`` and send its task to ``queue`` (``node``: the node whose queue it is) under the
+    record's id; returns the job id. The record is written first, so the worker always finds it; a send
+    that fails removes it."""
     body = request.model_dump(mode="json")
-    job_id = store.create(request.kind, queue, body)
+    job_id = store.create(request.kind, queue, body, node)
     try:
         celery_app.send_task(TASKS[request.kind], kwargs={"request": body}, queue=queue, task_id=job_id)
     except BaseException:
@@ -125,13 +144,13 @@ class JobStore:
 
         self.redis = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
 
-    def create(self, kind: str, queue: str, request: dict) -> str:
+    def create(self, kind: str, queue: str, request: dict, node: str | None = None) -> str:
         """Record a new job about to be sent; returns its id (the Celery task id to send it under)."""
         job_id = str(uuid.uuid4())
         key = KEY_PREFIX + job_id
         with self.redis.pipeline() as pipe:
             pipe.hset(key, mapping={"kind": kind, "queue": queue, "request": json.dumps(request),
-                                    "submitted_at": f"{time.time():.3f}", "attempts": 0})
+                                    "submitted_at": f"{time.time():.3f}", "attempts": 0, **({"node": node} if node else {})})
             pipe.expire(key, JOB_TTL_S)
             pipe.execute()
         return job_id

@@ -43,6 +43,10 @@ ENV: dict[str, EnvVar] = {
         EnvVar("TANDEM_ADMIN_TOKEN", "", "Bearer token for /admin; empty = admin API disabled"),
         EnvVar("TANDEM_ENGINE_TOKEN", "", "Bearer token of the engine's internal API (/engine/v1), sent by the gateway; empty = no token (keep the engine on loopback)"),
         EnvVar("TANDEM_ENGINES", "http://127.0.0.1:8001", "comma-separated engine URLs behind the gateway"),
+        EnvVar("TANDEM_ENGINES_DNS", "", "http://NAME:PORT: the gateway's engines are every address NAME resolves to "
+               "(a headless Service); empty = TANDEM_ENGINES only"),
+        EnvVar("TANDEM_NODE_NAME", "", "the node (host) a profiler worker runs on, from the downward API on Kubernetes: "
+               "its queue is tandem.profiler.<node>; empty = the hostname"),
         EnvVar("TANDEM_LOG_LEVEL", "INFO", "log level of every service"),
         EnvVar("TANDEM_EXT_DIR", "", "where the CPU executor's C++ extension is built; empty = $XDG_CACHE_HOME/tandem/ext"),
         EnvVar("TANDEM_DEMO_DIR", "", "where `--model demo` writes its checkpoint; empty = $XDG_CACHE_HOME/tandem/demo"),

@@ -112,6 +112,7 @@ class Engine(StepLoop, EngineStatus):
         self._load = load
         self._cond = threading.Condition()
         self._inbox: deque[tuple] = deque()
+        self._backend_refreshed_at = float("-inf")  # last scrape that read the backend's counters
         self._live: set[str] = set()  # request ids submitted and not finished (abort is by id)
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -266,14 +267,24 @@ class Engine(StepLoop, EngineStatus):
         with self._cond:
             if request_id in self._live:
                 raise InvalidRequestError(f"request_id {request_id!r} is already in flight; ids must be unique")
-            queued = len(self.scheduler.waiting) + sum(1 for it in self._inbox if it[0] == "add")
-            if queued >= self.config.max_waiting_requests:
+            if self._queued() >= self.config.max_waiting_requests:
                 raise QueueFullError(f"waiting queue full ({self.config.max_waiting_requests} requests, "
                                      f"--max-waiting-requests); retry later")
             self._live.add(request_id)
             self._inbox.append(("add", req))
             self._cond.notify()
         return stream
+
+    def _queued(self) -> int:
+        """Requests not yet in the running batch: the scheduler's queue and those still in the inbox
+        (call with ``_cond`` held)."""
+        waiting = len(self.scheduler.waiting) if self.scheduler is not None else 0
+        return waiting + sum(1 for it in self._inbox if it[0] == "add")
+
+    def waiting_now(self) -> int:
+        """The waiting requests at this instant, from any thread (what tandem_num_requests_waiting means)."""
+        with self._cond:
+            return self._queued()
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """Drop a request on the model thread; ``reason`` "stop" when the gateway's stop string ended it."""

@@ -17,6 +17,11 @@ from services.engine.reports import flat_backend_stats, vram_stats
 
 THROUGHPUT_WINDOW_S = 10.0
 STATS_TIMEOUT_S = 30.0  # a step never takes this long; past it the stats come without device counters
+# A call queued on the model thread is served between two steps and turns decode overlap off for that
+# step (step_loop._may_chain); an endpoint picker scrapes every 50 ms, so reading the backend's counters
+# at each scrape would stop overlap for good while serving. Prometheus scrapes every 15 s: once a second
+# loses nothing. An idle engine is read at every scrape (nothing to disturb, and the counters are exact).
+BACKEND_REFRESH_S = 1.0
 
 
 class Maintenance(str, enum.Enum):
@@ -82,8 +87,17 @@ class EngineStatus:
         return out
 
     async def refresh_metrics(self) -> None:
-        """Export the expert backend's cumulative counters (called at scrape time, GET /metrics)."""
-        if self.metrics is not None:
+        """At scrape time (GET /metrics): the waiting gauge from the live queues (a request counts from the
+        moment it is submitted, not from the end of the step running then: what an endpoint picker's
+        TotalQueuedRequests means), and the expert backend's cumulative counters (while serving at most
+        every BACKEND_REFRESH_S)."""
+        if self.metrics is None:
+            return
+        self.metrics.observe_waiting(self.waiting_now())
+        now = time.monotonic()
+        busy = self.scheduler is not None and self.scheduler.has_work()
+        if not busy or now - self._backend_refreshed_at >= BACKEND_REFRESH_S:
+            self._backend_refreshed_at = now
             experts = await self._device_stats()
             self.metrics.record_backend_stats(experts.get("experts", {}))
 

@@ -94,8 +94,13 @@ PROMPT_TOKENS = Counter("tandem_prompt_tokens_total", "Prompt tokens prefilled."
 PROMPT_TOKENS_CACHED = Counter("tandem_prompt_tokens_cached_total",
                                "Prompt tokens taken from the prefix cache instead of prefilled.", _M)
 GENERATION_TOKENS = Counter("tandem_generation_tokens_total", "Tokens generated.", _M)
-REQUESTS_RUNNING = Gauge("tandem_num_requests_running", "Requests in the running batch.", _M)
-REQUESTS_WAITING = Gauge("tandem_num_requests_waiting", "Requests queued for a batch slot.", _M)
+# The three gauges an endpoint picker reads (Gateway API Inference Extension, model server protocol):
+# waiting = TotalQueuedRequests, running = TotalRunningRequests, KV usage = KVCacheUtilization (0..1).
+REQUESTS_RUNNING = Gauge("tandem_num_requests_running", "Requests in the running batch (prefilling or decoding), "
+                         "as of the last step.", _M)
+REQUESTS_WAITING = Gauge("tandem_num_requests_waiting", "Requests accepted but not yet in the running batch "
+                         "(queued for a batch slot or KV blocks, preempted ones included), as of the last step "
+                         "or scrape.", _M)
 KV_USAGE = Gauge("tandem_kv_cache_usage_ratio", "Share of the KV pool's blocks held by running requests, 0..1 "
                  "(vLLM's kv_cache_usage_perc: cached prefix blocks nobody holds count as free).", _M)
 PREEMPTIONS = Counter("tandem_num_preemptions_total", "Running requests whose KV blocks were taken back "
@@ -135,6 +140,10 @@ class EngineMetrics:
             gauge.labels(model_name)
         for reason in FINISH_REASONS:  # rate() misses the first increment of a series born at 1
             REQUEST_SUCCESS.labels(model_name, reason)
+
+    def observe_waiting(self, num_waiting: int) -> None:
+        """The waiting requests between two steps (at scrape time: one queued meanwhile counts at once)."""
+        REQUESTS_WAITING.labels(self.model_name).set(num_waiting)
 
     def observe_step(self, num_running: int, num_waiting: int, kv_cache_usage: float,
                      prompt_tokens: int = 0, generation_tokens: int = 0, cached_tokens: int = 0,

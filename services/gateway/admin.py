@@ -1,12 +1,14 @@
 """The admin API (/admin, admin token): profile jobs on the Celery worker, profiles, engine reloads.
 
-    POST /admin/profiles                      start a profiling job -> 202 {"id", "task", "queue", "state"}
-                                              body: {"kind": "bw"|"load", "queue": a host queue, and the
-                                              typed fields of services/common/jobs.py (no CLI flags, no paths
-                                              to write: outputs stay in the worker's profiles dir)}
+    POST /admin/profiles                      start a profiling job -> 202 {"id", "task", "queue", "node", "state"}
+                                              body: {"kind": "bw"|"load", "node": the node whose GPUs to
+                                              measure (its worker's queue), or "queue": a worker's queue, and
+                                              the typed fields of services/common/jobs.py (no CLI flags, no
+                                              paths to write: outputs stay in the worker's profiles dir)}
     GET  /admin/jobs/{id}                     {"id", "state", "progress", "result", "error", "attempts", ...};
                                               404 for an id that was never submitted (or has expired)
-    GET  /admin/profiles                      the profiles in the shared volume
+    GET  /admin/profiles                      the profiles in the gateway's profiles dir ("data") and each
+                                              node's, as its worker reported them ("nodes"); ?node=N: N's
     GET  /admin/engines                       the engines behind this gateway and their health
     POST /admin/engines/{id}/reload-profile   the engine re-reads its profile (no restart); id "all": every
                                               engine (one per GPU), 200 {"data": [each engine's answer, or
@@ -30,7 +32,9 @@ from fastapi.responses import JSONResponse
 
 from pydantic import TypeAdapter, ValidationError
 
-from services.common.jobs import SHARED_QUEUE, STALLED_AFTER_S, TASKS, JobRequest, JobStore, send_job
+from services.common.jobs import (SHARED_QUEUE, STALLED_AFTER_S, TASKS, JobRequest, JobStore, check_node, node_queue,
+                                  send_job)
+from services.common.node_profiles import profile_view, read_reports
 from services.common.logging import get_logger
 from services.common.settings import redact
 from services.gateway.auth import admin_guard
@@ -61,7 +65,8 @@ def job_view(job_id: str, record: dict, result) -> dict:
     FAILURE (Celery's end state)."""
     state, info = result.state, result.info
     out: dict[str, Any] = {"id": job_id, "task": TASKS.get(record.get("kind"), record.get("kind")),
-                           "queue": record.get("queue"), "request": record.get("request"), "state": state,
+                           "queue": record.get("queue"), "node": record.get("node"),
+                           "request": record.get("request"), "state": state,
                            "progress": None, "result": None, "error": None, "attempts": record["attempts"],
                            "worker": record.get("worker"), "stalled": False}
     if state == "SUCCESS":
@@ -82,12 +87,12 @@ def job_view(job_id: str, record: dict, result) -> dict:
 
 
 def parse_job_request(body: dict):
-    """The typed job request of a POST /admin/profiles body (its ``queue`` taken out); raises
+    """The typed job request of a POST /admin/profiles body (its ``queue`` and ``node`` taken out); raises
     ValueError(message, param)."""
     if "argv" in body:
         raise ValueError("argv is no longer accepted: CLI flags could make the worker write anywhere. Send the "
                          "typed fields instead (docs/operating.md), e.g. {\"kind\": \"bw\", \"seconds\": 2}", "argv")
-    fields = {"kind": "bw", **{k: v for k, v in body.items() if k != "queue"}}
+    fields = {"kind": "bw", **{k: v for k, v in body.items() if k not in ("queue", "node")}}
     if fields["kind"] not in TASKS:
         raise ValueError(f"kind must be one of {sorted(TASKS)}, got {fields['kind']!r}", "kind")
     try:
@@ -98,13 +103,24 @@ def parse_job_request(body: dict):
         raise ValueError(f"{'.'.join(loc) or 'body'}: {err['msg']}", loc[0] if loc else None) from None
 
 
-def profile_view(entry) -> dict:
-    p = entry.profile
-    out: dict[str, Any] = {"path": str(entry.path), "file": entry.path.name, "valid": p is not None,
-                           "error": entry.error}
-    if p is not None:
-        out["profile"] = p.model_dump(mode="json")
-    return out
+def job_queue(body: dict) -> tuple[str, str | None]:
+    """(queue, node) of a POST /admin/profiles body: ``node`` -> that node's queue; else ``queue``; else the
+    shared queue. Raises ValueError(message, param)."""
+    node, queue = body.get("node"), body.get("queue")
+    if node is not None:
+        if not isinstance(node, str):
+            raise ValueError("node must be a string (a node name, as `kubectl get nodes` lists it)", "node")
+        try:
+            node_q = node_queue(check_node(node))
+        except ValueError as exc:
+            raise ValueError(str(exc), "node") from None
+        if queue is not None and queue != node_q:
+            raise ValueError(f"give node or queue, not both: node {node!r} is queue {node_q!r}, not {queue!r}", "queue")
+        return node_q, node
+    queue = queue or SHARED_QUEUE
+    if not isinstance(queue, str) or len(queue) > 200:
+        raise ValueError("queue must be a string (a worker's host queue)", "queue")
+    return queue, None
 
 
 def create_router(pool: EnginePool, admin_token: str, redis_url: str, profiles_dir: str) -> APIRouter:
@@ -113,21 +129,21 @@ def create_router(pool: EnginePool, admin_token: str, redis_url: str, profiles_d
     @router.post("/profiles")
     async def start_profile(request: Request):
         body = await _optional_json(request)
-        queue = body.get("queue") or SHARED_QUEUE
-        if not isinstance(queue, str) or len(queue) > 200:
-            return _error(400, "queue must be a string (a worker's host queue)", "queue")
         try:
+            queue, node = job_queue(body)
             job = parse_job_request(body)
         except ValueError as exc:
             return _error(400, exc.args[0], exc.args[1])
         try:
-            job_id = await asyncio.to_thread(send_job, celery_client(redis_url), job_store(redis_url), job, queue)
+            job_id = await asyncio.to_thread(send_job, celery_client(redis_url), job_store(redis_url), job, queue,
+                                             node)
         except Exception as exc:  # broker down: say which URL (its password masked)
             why = redact(f"cannot reach the job queue at {redis_url}: {exc}", redis_url)
             log.warning("cannot queue %s: %s", TASKS[job.kind], why)
             return _error(503, why, type_="service_unavailable")
-        log.info("queued %s job %s", TASKS[job.kind], job_id)
-        return JSONResponse({"id": job_id, "task": TASKS[job.kind], "queue": queue, "state": "PENDING"}, 202)
+        log.info("queued %s job %s on %s", TASKS[job.kind], job_id, queue)
+        return JSONResponse({"id": job_id, "task": TASKS[job.kind], "queue": queue, "node": node, "state": "PENDING"},
+                            202)
 
     @router.get("/jobs/{job_id}")
     async def get_job(job_id: str):
@@ -146,11 +162,24 @@ def create_router(pool: EnginePool, admin_token: str, redis_url: str, profiles_d
         return view
 
     @router.get("/profiles")
-    async def get_profiles():
+    async def get_profiles(node: str | None = None):
         from services.common.profiles import list_profiles
 
+        try:
+            nodes = await asyncio.to_thread(lambda: read_reports(job_store(redis_url).redis))
+        except Exception as exc:  # Redis away: the local dir can still be listed
+            log.warning("node profiles unreadable: %s", redact(str(exc), redis_url))
+            nodes = None
+        if node is not None:
+            if nodes is None:
+                return _error(503, redact(f"cannot reach Redis at {redis_url} for the nodes' profiles", redis_url),
+                              type_="service_unavailable")
+            if node not in nodes:
+                return _error(404, f"no worker has reported profiles for node {node!r} (nodes: "
+                              f"{', '.join(nodes) or 'none'})", "node", type_="not_found_error")
+            return {"node": node, **nodes[node]}
         entries = await asyncio.to_thread(list_profiles, profiles_dir or None)
-        return {"profiles_dir": profiles_dir, "data": [profile_view(e) for e in entries]}
+        return {"profiles_dir": profiles_dir, "data": [profile_view(e) for e in entries], "nodes": nodes}
 
     @router.get("/engines")
     async def get_engines():

@@ -25,10 +25,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.logging import get_logger, setup_logging
-from services.common.settings import add_dataclass_arguments, config_or_exit, field, redact_url
+from services.common.settings import ENV, add_dataclass_arguments, config_or_exit, field, redact_url
 from services.gateway import serving_anthropic, serving_chat, serving_completions, serving_tokenize
 from services.gateway.admin import create_router as admin_router
 from services.gateway.auth import AuthError, api_key_guard
+from services.gateway.discovery import DnsEngines, DnsName
 from services.gateway.engines import EngineClient, EngineError, EnginePool, HttpEngineClient
 from services.gateway.generation import RequestError
 from services.gateway.limits import RequestBodyLimits
@@ -43,6 +44,12 @@ log = get_logger("gateway")
 class GatewayConfig:
     engines: str = field("http://127.0.0.1:8001", env="TANDEM_ENGINES", flag="--engine",
                          help="engine URL(s) behind this gateway, comma-separated")
+    engines_dns: str = field("", env="TANDEM_ENGINES_DNS",
+                             help="http://NAME:PORT: every address NAME resolves to is an engine on PORT (the engines' "
+                             "headless Service on Kubernetes), re-resolved every --engines-dns-refresh-s; adds to "
+                             "--engine, whose default (a loopback engine) is then left out; empty = --engine only")
+    engines_dns_refresh_s: float = field(10.0, help="seconds between lookups of --engines-dns (engines that "
+                                         "appeared join, engines that left are retired)")
     host: str = field("127.0.0.1", help="address the gateway listens on")
     port: int = field(8000, help="port the gateway listens on")
     api_keys: str = field("", env="TANDEM_API_KEYS", flag="--api-key", secret=True,
@@ -68,7 +75,8 @@ class GatewayConfig:
                                     "with a 503 error")
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "health_interval_s", "header_timeout_s", "body_timeout_s",
+        self.dns_name  # raises ValueError naming a malformed --engines-dns
+        for name in ("max_body_bytes", "health_interval_s", "engines_dns_refresh_s", "header_timeout_s", "body_timeout_s",
                      "keep_alive_timeout_s", "max_connections"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
@@ -77,7 +85,15 @@ class GatewayConfig:
 
     @property
     def engine_urls(self) -> list[str]:
+        """The static engines. With --engines-dns, --engine's default (one loopback engine, the
+        single-host layout) is not assumed: only engines named explicitly are added."""
+        if self.engines_dns and self.engines == ENV["TANDEM_ENGINES"].default:
+            return []
         return [u.strip() for u in self.engines.split(",") if u.strip()]
+
+    @property
+    def dns_name(self) -> DnsName | None:
+        return DnsName.parse(self.engines_dns) if self.engines_dns else None
 
     @property
     def api_key_list(self) -> list[str]:
@@ -137,7 +153,9 @@ def create_app(config: GatewayConfig, clients: list[EngineClient], on_startup=No
                before_metrics: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
     """The gateway app over ``clients`` (HTTP engine clients, or the in-process one for `tandem serve`).
     ``before_metrics`` runs before each /metrics scrape (`tandem serve`: export the engine's counters)."""
-    pool = EnginePool(clients, config.health_interval_s)
+    dns = config.dns_name
+    discovery = DnsEngines(dns, config.engines_dns_refresh_s) if dns else None
+    pool = EnginePool(clients, config.health_interval_s, discovery, client_factory=discovered_client)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -226,6 +244,11 @@ def create_app(config: GatewayConfig, clients: list[EngineClient], on_startup=No
     return app
 
 
+def discovered_client(url: str) -> HttpEngineClient:
+    """The client of an engine found by DNS; its id is ``address:port`` (usable in /admin/engines/{id}/...)."""
+    return HttpEngineClient(url, engine_id=url.split("://", 1)[1])
+
+
 def build_parser(prog: str = "tandem gateway") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="The OpenAI-compatible gateway in front of one or "
                                      "more Tandem engines (`tandem engine`).")
@@ -240,9 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     config = config_or_exit("tandem gateway", GatewayConfig, args)
     clients = [HttpEngineClient(url, engine_id=str(i)) for i, url in enumerate(config.engine_urls)]
     app = create_app(config, clients)
+    engines = [redact_url(u) for u in config.engine_urls] + ([f"every address of {config.dns_name}"] if config.dns_name else [])
     log.info("gateway on http://%s:%d -> engines %s (API keys: %s, admin API: %s)", config.host, config.port,
-             ", ".join(redact_url(u) for u in config.engine_urls), "on" if config.api_key_list else "off",
-             "on" if config.admin_token else "off")
+             ", ".join(engines), "on" if config.api_key_list else "off", "on" if config.admin_token else "off")
     serve(app, config)
     return 0
 

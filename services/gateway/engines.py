@@ -4,7 +4,9 @@
 - ``InProcessEngineClient``: the same calls on an ``Engine`` object in this process (`tandem serve`).
 - ``EnginePool``: several engines behind one gateway; picks the healthy engine serving the requested
   model with the fewest outstanding requests; a background task polls /health so an engine that went
-  down is skipped (503 when none is left) and taken back once it answers again.
+  down is skipped (503 when none is left) and taken back once it answers again. Besides the static
+  list, the engines behind a DNS name (services/gateway/discovery.py) join and leave the pool as the
+  name's answer changes.
 
 Both clients raise ``EngineError`` (HTTP status + OpenAI error body) *before* the first output, so the
 gateway can still answer with a proper status code; a stream is closed with ``aclose()`` (aborting the
@@ -16,13 +18,14 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Callable, Protocol
 
 import httpx
 
 from services.common.logging import get_logger
 from services.common.settings import env
 from services.common.tokenizer import Tokenizer
+from services.gateway.discovery import DnsEngines
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import error_body
 
@@ -257,35 +260,77 @@ class EngineState:
 
 
 class EnginePool:
-    """Least-outstanding-requests routing over engines, with background health polling."""
+    """Least-outstanding-requests routing over engines, with background health polling.
 
-    def __init__(self, clients: list[EngineClient], health_interval_s: float = 1.0):
-        if not clients:
-            raise ValueError("the gateway needs at least one engine (--engine URL or TANDEM_ENGINES)")
+    ``clients``: the static engines (never removed). ``discovery``: the engines behind a DNS name,
+    re-resolved every ``discovery.refresh_s``; ``client_factory(url)`` makes the client of each engine
+    that appears. An engine that leaves the answer is retired: out of routing at once, its client
+    closed once its last request has ended."""
+
+    def __init__(self, clients: list[EngineClient], health_interval_s: float = 1.0,
+                 discovery: DnsEngines | None = None, client_factory: Callable[[str], EngineClient] | None = None):
+        if not clients and discovery is None:
+            raise ValueError("the gateway needs at least one engine (--engine URL, TANDEM_ENGINES or --engines-dns)")
+        if discovery is not None and client_factory is None:
+            raise ValueError("discovery needs a client_factory")
         self.engines = [EngineState(c) for c in clients]
         self.health_interval_s = health_interval_s
+        self.discovery, self._client_factory = discovery, client_factory
+        self._discovered: dict[str, EngineState] = {}  # url -> state, the engines the DNS name gave
+        self._retired: list[EngineState] = []  # left the DNS answer; closed once idle
         self.readers: set[asyncio.Task] = set()  # one per running generation (generation.EngineOutputs)
         self.closing = False  # the shutdown grace is over: no generation may run on
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self._turn = 0  # where the next tie among least-outstanding engines starts (round robin)
 
     async def start(self) -> None:
+        if self.discovery is not None:
+            await self.discover_once()
+            self._tasks.append(asyncio.create_task(self._forever(self.discover_once, self.discovery.refresh_s)))
         await self.poll_once()
-        self._task = asyncio.create_task(self._poll_forever())
+        self._tasks.append(asyncio.create_task(self._forever(self.poll_once, self.health_interval_s)))
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        for e in self.engines:
+        for task in self._tasks:
+            task.cancel()
+        for e in self.engines + self._retired:
             await e.client.close()
 
-    async def _poll_forever(self) -> None:
+    async def _forever(self, step: Callable, interval_s: float) -> None:
         while True:
-            await asyncio.sleep(self.health_interval_s)
+            await asyncio.sleep(interval_s)
             try:
-                await self.poll_once()
+                await step()
             except Exception:  # never let the poller die
-                log.exception("health poll failed")
+                log.exception("%s failed", step.__name__)
+
+    async def discover_once(self) -> None:
+        """Re-resolve the DNS name: engines that appeared join (healthy after their first check), engines
+        that left are retired. The list is replaced, never changed in place: a request iterating over it
+        keeps a consistent view."""
+        urls = await self.discovery.refresh()
+        gone = [url for url in self._discovered if url not in urls]
+        new = [url for url in urls if url not in self._discovered]
+        if not gone and not new:
+            await self._close_idle_retired()
+            return
+        for url in gone:
+            e = self._discovered.pop(url)
+            e.healthy = False
+            self._retired.append(e)
+            GatewayMetrics.forget_engine(e.client.id)
+            log.info("engine %s left %s: retired", e.client.id, self.discovery.name)
+        added = {url: EngineState(self._client_factory(url)) for url in new}
+        self._discovered.update(added)
+        await asyncio.gather(*(self._check(e) for e in added.values()))
+        self.engines = [e for e in self.engines if e not in self._retired] + list(added.values())
+        await self._close_idle_retired()
+
+    async def _close_idle_retired(self) -> None:
+        idle = [e for e in self._retired if e.outstanding == 0]
+        self._retired = [e for e in self._retired if e.outstanding > 0]
+        for e in idle:
+            await e.client.close()
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._check(e) for e in self.engines))
@@ -342,7 +387,7 @@ class EnginePool:
         503 when the model's engines are all unavailable."""
         known = self.models()
         if model not in known:
-            if all(e.info is not None for e in self.engines):
+            if self.engines and all(e.info is not None for e in self.engines):
                 raise EngineError(404, f"The model `{model}` does not exist (served: {', '.join(known) or 'none'})",
                                   "invalid_request_error", param="model")
             raise EngineError(503, f"no engine is available to serve `{model}` (engines down or loading)",

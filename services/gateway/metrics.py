@@ -51,6 +51,16 @@ class GatewayMetrics:
         ENGINE_OUTSTANDING.labels(engine).set(outstanding)
 
     @staticmethod
+    def forget_engine(engine: str) -> None:
+        """An engine left the pool (its DNS name no longer lists it): drop its series, so the engines
+        of a name that keeps changing do not pile up as stale series."""
+        for gauge in (ENGINE_UP, ENGINE_OUTSTANDING):
+            try:
+                gauge.remove(engine)
+            except KeyError:
+                pass
+
+    @staticmethod
     def observe_request(route: str, status: int, seconds: float, model_name: str = "") -> None:
         """One finished request (the middleware calls this; handy for tests and non-ASGI paths)."""
         REQUESTS.labels(model_name, route, str(status)).inc()

@@ -9,9 +9,12 @@ running back at the head of their queue (``recovery.requeue_interrupted``); a jo
 ``MAX_ATTEMPTS`` times fails instead of running again; a job no worker comes back for is redelivered
 by kombu after the visibility timeout (longer than any job may run, so a running job is never sent twice).
 
-Queues: each worker consumes its host's queue (env TANDEM_PROFILER_QUEUE, default
-``tandem.profiler.<hostname>``) and the shared ``tandem.profiler`` queue. Send to a host queue to
-profile that host's GPU; the shared queue is for single-host setups ("any GPU host").
+Queues: each worker consumes its node's queue ``tandem.profiler.<node>`` (env TANDEM_NODE_NAME, on
+Kubernetes the pod's ``spec.nodeName`` through the downward API; default the hostname), the queue
+named by TANDEM_PROFILER_QUEUE when set, and the shared ``tandem.profiler`` queue. Send to a node's
+queue (``{"node": ...}`` on POST /admin/profiles) to profile that node's GPUs; the shared queue is for
+single-host setups ("any GPU host"). The worker reports its profiles to Redis under its node's name at
+start and after each job (services/common/node_profiles.py), so the gateway lists every node's.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import socket
 from celery import Celery, signals
 from kombu import Queue
 
-from services.common.jobs import JOB_TTL_S, SHARED_QUEUE, JobStore, send_job
+from services.common.jobs import JOB_TTL_S, SHARED_QUEUE, JobStore, check_node, node_queue, send_job
 from services.common.settings import env
 
 BW_LIMIT_S = 1800  # bench bw: a few minutes on a GPU host; the hard limit only guards a hang
@@ -31,16 +34,26 @@ LOAD_LIMIT_S = 3600  # bench load: reads a whole checkpoint three times, cold
 VISIBILITY_TIMEOUT_S = LOAD_LIMIT_S + 600
 
 
+def node_name() -> str:
+    """The node this worker measures: TANDEM_NODE_NAME (Kubernetes: the pod's node), else the hostname."""
+    return env("TANDEM_NODE_NAME") or socket.gethostname()
+
+
 def host_queue() -> str:
-    """This host's queue name."""
-    return env("TANDEM_PROFILER_QUEUE") or f"{SHARED_QUEUE}.{socket.gethostname()}"
+    """This host's queue name: TANDEM_PROFILER_QUEUE, else its node's queue."""
+    return env("TANDEM_PROFILER_QUEUE") or node_queue(node_name())
+
+
+def worker_queues() -> list[str]:
+    """Every queue this worker consumes: its node's, the one TANDEM_PROFILER_QUEUE names, the shared one."""
+    return list(dict.fromkeys([node_queue(node_name()), host_queue(), SHARED_QUEUE]))
 
 
 app = Celery("tandem.profiler", broker=env("TANDEM_REDIS_URL"), backend=env("TANDEM_REDIS_URL"),
              include=["services.profiler.tasks"])
 app.conf.update(
     task_serializer="json", result_serializer="json", accept_content=["json"],
-    task_queues=[Queue(host_queue()), Queue(SHARED_QUEUE)],
+    task_queues=[Queue(name) for name in worker_queues()],
     task_default_queue=SHARED_QUEUE,
     worker_concurrency=1,
     # solo pool: tasks run in the worker process itself, so the job metrics they record reach the
@@ -81,9 +94,24 @@ def _requeue_interrupted(sender, **_) -> None:
     from services.profiler.recovery import requeue_interrupted
 
     requeue_interrupted(app, sender.hostname)
+    report_profiles()
 
 
-def submit(request, queue: str | None = None) -> str:
-    """Record and send a job (a ``services.common.jobs`` request) to ``queue`` (default: the shared
-    queue); returns the job id. For clients without the gateway (scripts)."""
-    return send_job(app, JobStore(env("TANDEM_REDIS_URL")), request, queue or SHARED_QUEUE)
+def report_profiles() -> None:
+    """Tell Redis what this node's profiles directory holds (best effort: Redis away, the next job's
+    report catches up)."""
+    from services.common.logging import get_logger
+    from services.common.node_profiles import report
+
+    try:
+        count = report(JobStore(env("TANDEM_REDIS_URL")).redis, node_name(), env("TANDEM_PROFILES_DIR"))
+        get_logger("profiler").info("node %s: %d profile(s) reported", node_name(), count)
+    except Exception as exc:  # noqa: BLE001
+        get_logger("profiler").warning("node %s: profiles not reported: %s", node_name(), exc)
+
+
+def submit(request, queue: str | None = None, node: str | None = None) -> str:
+    """Record and send a job (a ``services.common.jobs`` request) to ``node``'s queue, or ``queue``
+    (default: the shared queue); returns the job id. For clients without the gateway (scripts)."""
+    queue = node_queue(check_node(node)) if node else queue or SHARED_QUEUE
+    return send_job(app, JobStore(env("TANDEM_REDIS_URL")), request, queue, node)

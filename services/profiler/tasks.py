@@ -30,7 +30,7 @@ from services.common.jobs import (ALL_GPUS, HEARTBEAT_S, MAX_ATTEMPTS, BenchBwRe
                                   JobStore)
 from services.common.logging import get_logger
 from services.common.settings import env
-from services.profiler.app import BW_LIMIT_S, LOAD_LIMIT_S, app
+from services.profiler.app import BW_LIMIT_S, LOAD_LIMIT_S, app, report_profiles
 from services.profiler.bench_bw import PROGRESS_TAG, RESULT_TAG
 from services.profiler.metrics import nvml_gpu_uuids
 from services.profiler.recovery import WorkerLost
@@ -148,6 +148,7 @@ class Job:
             self.store.ended(self.id, self.worker)
         except Exception as e:  # noqa: BLE001 — Redis down: the record only misses its end
             log.warning("job %s: could not record its end: %s", self.id, e)
+        report_profiles()  # a new profile (or a failed job's unchanged dir): GET /admin/profiles sees it now
 
     def progress(self, meta: dict) -> None:
         """Best effort: Redis being away must not stop (or kill) the benchmark."""

@@ -56,6 +56,26 @@ def test_profile_job_runs_on_the_worker_and_the_profile_is_listed(admin_stack):
     assert listed[0]["profile"]["gpu"]["uuid"] == job["result"]["gpu_uuid"]
 
 
+def test_job_for_a_node_runs_on_that_nodes_worker_and_its_profiles_are_listed(admin_stack, celery_worker):
+    """A job names a node: it goes to that node's queue, its worker measures, and that worker's report of its
+    profiles dir is listed under the node (the gateway need not see the node's disk)."""
+    gateway, profiles, _ = admin_stack
+    node = celery_worker[0]["TANDEM_NODE_NAME"]
+    r = _admin(gateway, "POST", "/admin/profiles", json={"kind": "bw", **FAST, "node": node})
+    assert r.status_code == 202, r.text
+    assert r.json()["queue"] == f"tandem.profiler.{node}" and r.json()["node"] == node
+    job, _ = _wait_job(gateway, r.json()["id"])
+    assert job["state"] == "SUCCESS" and job["node"] == node, job
+    listed = _admin(gateway, "GET", "/admin/profiles").json()
+    assert job["result"]["profile_path"] in [p["path"] for p in listed["nodes"][node]["data"]]
+    one = _admin(gateway, "GET", "/admin/profiles", params={"node": node})
+    assert one.status_code == 200 and one.json()["node"] == node
+    assert [p["file"] for p in one.json()["data"]] == sorted(p.name for p in profiles.glob("*.json"))
+    missing = _admin(gateway, "GET", "/admin/profiles", params={"node": "no-such-node"})
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "node"
+    assert node in missing.json()["error"]["message"]
+
+
 def test_failing_job_reports_its_error(admin_stack):
     gateway, _, queue = admin_stack
     r = _admin(gateway, "POST", "/admin/profiles", json={**FAST, "model": "no-such-preset", "queue": queue})
@@ -79,6 +99,9 @@ def test_unknown_job_is_404(admin_stack):
     ({"kind": "bw", "model": "--output=/tmp/x"}, "model"),
     ({"kind": "bw", "seconds": 0}, "seconds"),
     ({"kind": "bw", "dtype": ["int3"]}, "dtype"),
+    ({"kind": "bw", "node": "../etc"}, "node"),
+    ({"kind": "bw", "node": 7}, "node"),
+    ({"kind": "bw", "node": "gpu-a", "queue": "tandem.profiler.gpu-b"}, "queue"),  # which one?
 ])
 def test_job_requests_are_typed_and_write_nowhere_else(admin_stack, body, param):
     """Admin jobs take typed fields only; no field names an output path (outputs stay in the
