@@ -1,5 +1,7 @@
 """Synthetic models: random weights made in memory with a real model's geometry
-(``--model synthetic:NAME[?layers=N]``), so benchmarks need no checkpoint on disk.
+(``--model synthetic:NAME[?layers=N&routing=R&seed=N]``), so benchmarks need no checkpoint on disk.
+``routing=sticky|moderate|flat|file:PATH`` makes them route like real model families (routing_presets.py,
+docs/routing.md); the init below is what ``uniform``, the default, measures.
 
 Presets are a table of Hugging Face config dicts; they go through the same ModelSpec.from_hf_config
 as a real checkpoint. Weights are filled in place bank by bank and layer by layer (no full-size
@@ -130,8 +132,8 @@ def parse_options(model: str) -> tuple[str, dict[str, str]]:
         if key not in ("layers", "routing", "seed"):
             raise LoaderError(f"--model {model}: unknown option {key!r} (options: {OPTIONS})")
         if key in ("layers", "seed") and not (value.isdigit() and (int(value) > 0 or key == "seed")):
-            raise LoaderError(f"--model {model}: {key} must be a {'positive ' if key == 'layers' else ''}integer, "
-                              f"got {value!r}")
+            raise LoaderError(f"--model {model}: {key} must be a {'positive' if key == 'layers' else 'non-negative'} "
+                              f"integer, got {value!r}")
     if options.get("routing", "uniform").partition(":")[0] not in (*routing_presets.NAMES, "file"):
         raise LoaderError(f"--model {model}: routing={options['routing']!r}: expected one of "
                           f"{', '.join(routing_presets.NAMES)} or file:PATH")

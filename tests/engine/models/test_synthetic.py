@@ -125,8 +125,11 @@ def test_gpt_oss_presets_build_mxfp4_experts(monkeypatch):
 @pytest.mark.parametrize("model, match", [
     ("synthetic:nope", r"unknown synthetic preset 'nope' \(presets: tiny, qwen3-30b-a3b, qwen3-moe-mini, mixtral-8x7b, "
                        r"gpt-oss-20b, gpt-oss-120b\)"),
-    ("synthetic:tiny?layers=x", r"layers must be an integer"),
-    ("synthetic:tiny?depth=2", r"unknown option 'depth'"),
+    ("synthetic:tiny?layers=x", r"layers must be a positive integer, got 'x'"),
+    ("synthetic:tiny?layers=0", r"layers must be a positive integer, got '0'"),
+    ("synthetic:tiny?seed=-1", r"seed must be a non-negative integer, got '-1'"),
+    ("synthetic:tiny?routing=zipf", r"routing='zipf': expected one of uniform, sticky, moderate, flat or file:PATH"),
+    ("synthetic:tiny?depth=2", r"unknown option 'depth' \(options: layers=N, routing="),
 ])
 def test_bad_names(model, match):
     with pytest.raises(LoaderError, match=match):
