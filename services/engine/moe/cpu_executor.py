@@ -29,7 +29,7 @@ import torch
 
 from services.common.logging import get_logger
 from services.common.settings import env
-from services.engine.moe.banks import ExpertBanks, LayerBanks
+from services.engine.moe.banks import GGUF_TYPES, ExpertBanks, LayerBanks
 
 log = get_logger("engine.cpu_executor")
 
@@ -253,7 +253,10 @@ class CpuExecutor:
         self._impl = ext.Executor(self.worker_cpus, n, spin_us, isa)
         self._tids = _worker_tids() - others  # this pool's workers (named before the constructor returns)
         self.banks = banks
-        if not banks.plain_swiglu:  # gpt-oss: expert biases and the clamped SwiGLU, set once per layer bank
+        # GGUF layers: computed in torch (their blocks dequantized per expert, moe/dequant.py) until the C++
+        # kernels read GGUF blocks in place (docs/gguf-kernels.md); synchronous, on the calling thread
+        self.torch_layers = {i for i, lb in enumerate(banks.layers) if lb.format in GGUF_TYPES}
+        if not banks.plain_swiglu and not self.torch_layers:  # gpt-oss: expert biases and the clamped SwiGLU, set once per layer bank
             act = banks.activation
             self._impl.set_expert_math([lb.tensors["gate_up"] for lb in banks.layers],
                                        [lb.tensors["gate_up_bias"] for lb in banks.layers],
@@ -302,16 +305,35 @@ class CpuExecutor:
             ids = ids.long().contiguous()
         if weights.dtype not in (torch.float32, torch.bfloat16) or not weights.is_contiguous():
             weights = weights.float().contiguous()
+        if layer in self.torch_layers:
+            self._submit_torch(lb, hidden, ids, weights, out)
+            return
         if ready is None:
             ready = self._no_flag
         self._impl.submit(hidden, ids, weights, lb.ordered(), out, ready, int(ready_value))
         self._pending = (hidden, ids, weights, out, ready)
+
+    def _submit_torch(self, lb: LayerBanks, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                      out: torch.Tensor) -> None:
+        """The job of a GGUF layer, done now with the torch grouped loop (``wait`` returns it)."""
+        from services.engine.moe.resident import moe_grouped
+
+        t0 = time.perf_counter_ns()
+        out.copy_(moe_grouped(hidden, ids.long(), weights, lb.tensors["gate_up"], lb.tensors["down"],
+                              self.banks.activation, lb.bias, fmt=lb.format).float())
+        self.last_ready_ns, self.last_done_ns = t0, time.perf_counter_ns()
+        valid = ids[ids >= 0]
+        self.last_experts, self.last_routes = int(valid.unique().numel()), int(valid.numel())
+        self._pending = (hidden, ids, weights, out, "torch")
 
     def wait(self) -> torch.Tensor:
         """Block until the submitted job is done; returns its ``out [T, D]`` fp32."""
         if self._pending is None:
             raise RuntimeError("cpu executor: wait() without a submitted job")
         out = self._pending[3]
+        if self._pending[-1] == "torch":
+            self._pending = None
+            return out
         try:
             self.last_ready_ns, self.last_done_ns, self.last_experts, self.last_routes = self._impl.wait()
         finally:

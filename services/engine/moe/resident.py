@@ -32,7 +32,7 @@ import torch
 from services.common.logging import get_logger
 from services.engine.config import MoEBackend
 from services.engine.moe.backends import BackendContext, register_backend
-from services.engine.moe.banks import BANK_SCHEMAS, SCALE_BANKS, ExpertFormat
+from services.engine.moe.banks import BANK_SCHEMAS, GGUF_TYPES, SCALE_BANKS, ExpertFormat
 from services.engine.moe.dequant import check_banks, dense_experts
 from services.engine.moe.reference import ClampedSwiGLU, expert_swiglu, glu
 
@@ -46,6 +46,8 @@ def quant_kwargs(fmt: ExpertFormat, banks: dict[str, torch.Tensor]) -> dict:
     """The compute keywords of format ``fmt``'s scale banks in ``banks`` (a layer's or the cache's slot
     banks): {} for unquantized experts, else gate_up_scale, down_scale and fmt."""
     fmt = ExpertFormat(fmt)
+    if fmt in GGUF_TYPES:  # scales inside the blocks: the format alone says how to read them
+        return {"fmt": fmt}
     if not SCALE_BANKS[fmt]:
         return {}
     return {"gate_up_scale": banks["gate_up_scale"], "down_scale": banks["down_scale"], "fmt": fmt}
@@ -126,7 +128,7 @@ class DecodeKernel:
         scales = (gate_up_scale, down_scale)
         R = topk_ids.numel()
         check_banks(fmt, gate_up, down, gate_up_scale, down_scale)  # the kernels tell formats by dtype: agree
-        if self.kind == "triton":
+        if self.kind == "triton" and fmt not in GGUF_TYPES:  # GGUF: no Triton kernel yet, torch dequantizes
             try:
                 if self._gemm is None:
                     from kernels.moe_gemm import moe_gemm
