@@ -1,0 +1,67 @@
+"""Random GGUF blocks: valid quantized rows of a given type whose values spread like N(0, std), for the
+synthetic models' expert banks (``synthetic:NAME?experts=q4_K``), the benchmark GGUF writer
+(benchmarks/write_gguf.py) and the tests' tiny GGUF files.
+
+Why random bytes and not quantized random floats: the gguf package quantizes only q8_0 and mxfp4 (its K
+types dequantize only), and a quantizer run over 29 G values (Qwen3-30B-A3B's experts) takes minutes
+where random bytes take seconds. Every byte of a block is uniform random except its fp16 scale fields
+(``d``, and ``dmin`` for the K types with minimums), set so the values have the wanted spread: the
+quantized codes and sub-block scales are then uniform, so a kernel meets every code. MXFP4's E8M0 scale
+byte is one power of two per tensor. The spread is measured on 64 blocks through the dequantizer
+(``dequant.gguf_dense_experts``'s), once per type.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from services.engine.moe.banks import GGUF_BLOCKS
+
+# per type: byte offset of the fp16 d, of the fp16 dmin (None: no minimum), and the mean code the minimum
+# cancels (the codes' mean times the mean sub-block scale: values centred on 0 on average); mxfp4: the E8M0 byte
+_FIELDS: dict[str, tuple[int, int | None]] = {"q4_K": (0, 2), "q5_K": (0, 2), "q6_K": (208, None), "q8_0": (0, None)}
+_MEAN_CODE = {"q4_K": 7.5, "q5_K": 15.5}  # dmin = d * mean code: the unsigned codes' mean (sub-block min ~ scale)
+MXFP4_SCALE_BYTE = 0  # GGUF's MXFP4 block: one E8M0 byte, then 16 bytes of e2m1 pairs
+
+
+def _set_scales_(blocks: torch.Tensor, qtype: str, d: float) -> None:
+    """Write the scale fields of every block of ``blocks`` uint8 [..., block bytes] (d, dmin; mxfp4: the
+    exponent byte of 2**round(log2 d))."""
+    if qtype == "mxfp4_gguf":
+        blocks[..., MXFP4_SCALE_BYTE] = max(0, min(254, 127 + round(math.log2(d))))
+        return
+    d_off, dmin_off = _FIELDS[qtype]
+    half = lambda x: torch.tensor([x], dtype=torch.float16).view(torch.uint8)  # noqa: E731 - 2 bytes, little-endian
+    blocks[..., d_off:d_off + 2] = half(d).to(blocks.device)
+    if dmin_off is not None:
+        blocks[..., dmin_off:dmin_off + 2] = half(d * _MEAN_CODE[qtype]).to(blocks.device)
+
+
+@functools.cache
+def _unit_std(qtype: str) -> float:
+    """Standard deviation of the values of random blocks with d = 1 (64 blocks, fixed seed)."""
+    from services.engine.moe.dequant import _gguf_dequantize
+
+    n, nbytes = GGUF_BLOCKS[qtype]
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (64, nbytes), dtype=torch.uint8, generator=gen)
+    _set_scales_(blocks, qtype, 1.0)
+    return float(_gguf_dequantize(blocks, qtype, n).std())
+
+
+def random_blocks_(out: torch.Tensor, qtype: str, std: float, gen: torch.Generator) -> torch.Tensor:
+    """Fill ``out`` uint8 [..., row bytes] (whole blocks per row) in place with random blocks of ``qtype``
+    whose values have standard deviation ~``std`` (mxfp4: within a factor sqrt(2)); returns ``out``."""
+    nbytes = GGUF_BLOCKS[qtype][1]
+    if out.shape[-1] % nbytes:
+        raise ValueError(f"random {qtype} blocks: a row of {out.shape[-1]} bytes is not whole {nbytes}-byte blocks")
+    blocks = out.view(*out.shape[:-1], -1, nbytes)
+    if out.device.type == gen.device.type:
+        blocks.random_(0, 256, generator=gen)
+    else:
+        blocks.copy_(torch.randint(0, 256, blocks.shape, dtype=torch.uint8, generator=gen, device=gen.device))
+    _set_scales_(blocks, qtype, std / _unit_std(qtype))
+    return out
