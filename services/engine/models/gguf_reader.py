@@ -13,6 +13,7 @@ LoaderError of one line naming the file and, where one is at fault, the tensor.
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +114,9 @@ class GGUFFile:
         before writing)."""
         t = self._tensor(name)
         data = t.data if t.data.dtype == np.uint8 else t.data.view(np.uint8)
-        return torch.from_numpy(np.asarray(data)).view(*self.shape(name)[:-1], -1)
+        with warnings.catch_warnings():  # a read-only mapping: the callers only copy out of it
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(np.asarray(data)).view(*self.shape(name)[:-1], -1)
 
     def dense(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """The tensor dequantized to float32 in torch order (checked against ``shape`` when given)."""
@@ -128,4 +131,5 @@ class GGUFFile:
         except NotImplementedError as e:
             raise LoaderError(f"{self._tensors[name][0]}: tensor {name!r} has type {t.tensor_type.name}, which the "
                               f"gguf package cannot dequantize ({e})") from e
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(got)
+        # a copy: F32 tensors come back as the read-only mapping itself
+        return torch.from_numpy(np.array(values, dtype=np.float32)).view(got)
