@@ -180,7 +180,7 @@ def dequantized_reference(hf, path: Path):
 
     ref = copy.deepcopy(hf)
     reader = gguf.GGUFReader(str(path))
-    dense = {t.name: torch.from_numpy(np.ascontiguousarray(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32))
+    dense = {t.name: torch.from_numpy(np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32))
              for t in reader.tensors}
     with torch.no_grad():
         for name, p in ref.named_parameters():

@@ -1,0 +1,332 @@
+"""GGUF models end to end on the CPU (fp32): tiny files in llama.cpp's layout (tests/engine/gguf_checkpoints.py)
+whose experts stay in their GGUF types in the banks; every backend's greedy tokens equal transformers'.
+
+References (independent of the engine's loader):
+- qwen3moe, qwen2moe: transformers' own GGUF loader (``from_pretrained(dir, gguf_file=...)``, which reads
+  the file and dequantizes every tensor with the gguf package). transformers 5.24's GGUF config mapping
+  for these architectures does not read ``expert_feed_forward_length`` (it would build 768-wide experts),
+  so the reference gets the model's config; its weights come from the file.
+- gpt-oss: transformers' GGUF loader does not read llama.cpp's gpt-oss expert tensors (its processor
+  expects ``ffn_*_projs``), so the reference is the transformers model with every tensor replaced by the
+  file's, dequantized by the gguf package (``dequantized_reference``).
+
+Expert types: qwen3moe a Q4_K_M-like mix (layer 0 gate/up q4_K + down q6_K, layer 1 all q4_K: per-layer
+formats sharing the widest rows); qwen2moe q5_K + q6_K and q8_0 (with its shared expert); gpt-oss mxfp4.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.engine.config import EngineConfig
+from services.engine.models.errors import LoaderError
+from services.engine.models.registry import build_backend, load_model
+from services.engine.moe.banks import ExpertFormat
+from services.engine.runtime.kv_cache import ForwardBatch, KVCache
+from tests.engine.conftest import _randomize_
+from tests.engine.gguf_checkpoints import dequantized_reference, write_gguf
+from tests.helpers import greedy_generate, hf_greedy, hf_last_logits, tolerance
+
+PROMPT = [3, 17, 42, 5, 99, 64, 8, 120, 33, 1, 77]
+BACKENDS = ["resident", "offload", "cpu", "hybrid", "auto"]
+LAYER_TYPES = {  # per MoE layer: (gate/up, down) GGUF types written, and the bank format expected
+    "qwen3_moe": [(("q4_K", "q6_K"), ExpertFormat.Q4_K_Q6_K), (("q4_K", "q4_K"), ExpertFormat.Q4_K)],
+    "qwen2_moe": [(("q5_K", "q6_K"), ExpertFormat.Q5_K_Q6_K), (("q8_0", "q8_0"), ExpertFormat.Q8_0)],
+    "gpt_oss": [(("mxfp4_gguf", "mxfp4_gguf"), ExpertFormat.MXFP4_GGUF)] * 3,
+}
+
+
+def _vocab() -> int:
+    """The demo tokenizer's size (its tokens are the file's vocabulary: llama.cpp needs one row per token)."""
+    import tempfile
+
+    from tokenizers import Tokenizer
+
+    from services.engine.models.demo import write_tokenizer_files
+
+    with tempfile.TemporaryDirectory() as d:
+        write_tokenizer_files(d)
+        return Tokenizer.from_file(f"{d}/tokenizer.json").get_vocab_size(with_added_tokens=True)
+
+
+def _configs(vocab: int) -> dict:
+    from transformers import GptOssConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    # K types need D and I multiples of 256 (one super-block); MXFP4 of 32
+    common = dict(vocab_size=vocab, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+                  max_position_embeddings=4096, tie_word_embeddings=False, num_experts_per_tok=2)
+    return {
+        "qwen3_moe": Qwen3MoeConfig(**common, hidden_size=256, head_dim=64, num_hidden_layers=2, num_experts=8,
+                                    moe_intermediate_size=256, intermediate_size=512, norm_topk_prob=True,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        "qwen2_moe": Qwen2MoeConfig(**common, hidden_size=256, num_hidden_layers=2, num_experts=8,
+                                    moe_intermediate_size=256, intermediate_size=512,
+                                    shared_expert_intermediate_size=256, norm_topk_prob=False),
+        "gpt_oss": GptOssConfig(**{**common, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5}, hidden_size=64,
+                                head_dim=16, num_hidden_layers=3, num_local_experts=8, intermediate_size=64,
+                                sliding_window=4,
+                                rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                                 "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                 "original_max_position_embeddings": 4096}),
+    }
+
+
+class GGUFCase:
+    def __init__(self, arch: str, path: Path, hf, ref):
+        self.arch, self.path, self.hf, self.ref = arch, path, hf, ref  # hf: the written model; ref: the reference
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory) -> dict[str, GGUFCase]:
+    from transformers import AutoModelForCausalLM, GptOssForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+
+    classes = {"qwen3_moe": Qwen3MoeForCausalLM, "qwen2_moe": Qwen2MoeForCausalLM, "gpt_oss": GptOssForCausalLM}
+    out = {}
+    for seed, (arch, cfg) in enumerate(_configs(_vocab()).items()):
+        cfg._attn_implementation = "eager"
+        torch.manual_seed(seed)
+        hf = classes[arch](cfg).eval()
+        _randomize_(hf, seed)
+        d = tmp_path_factory.mktemp(f"gguf-{arch}")
+        path = write_gguf(hf, d / f"tiny-{arch}.gguf", [t for t, _ in LAYER_TYPES[arch]], seed=seed,
+                          dense_type="q8_0" if arch == "qwen3_moe" else "f32")
+        if arch == "gpt_oss":
+            ref = dequantized_reference(hf, path)
+        else:
+            ref = AutoModelForCausalLM.from_pretrained(str(d), gguf_file=path.name, config=cfg, dtype=torch.float32).eval()
+            ref.config._attn_implementation = "eager"
+        out[arch] = GGUFCase(arch, path, hf, ref)
+    return out
+
+
+@pytest.fixture(scope="module")
+def loaded(cases):
+    return {arch: load_model(EngineConfig(model=str(c.path)), attach_backend=False) for arch, c in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(cases):
+    return {arch: hf_greedy(c.ref, PROMPT, 24) for arch, c in cases.items()}
+
+
+@pytest.mark.parametrize("arch", list(LAYER_TYPES))
+def test_spec_from_metadata_matches_config(arch, cases, loaded):
+    cfg, spec = cases[arch].hf.config, loaded[arch].spec
+    assert spec.model_type == arch
+    E = cfg.num_local_experts if arch == "gpt_oss" else cfg.num_experts
+    assert (spec.num_layers, spec.num_experts, spec.top_k) == (cfg.num_hidden_layers, E, cfg.num_experts_per_tok)
+    assert (spec.hidden_size, spec.vocab_size, spec.num_heads, spec.num_kv_heads) == (
+        cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads, cfg.num_key_value_heads)
+    assert spec.head_dim == getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    assert spec.moe_intermediate_size == (cfg.intermediate_size if arch == "gpt_oss" else cfg.moe_intermediate_size)
+    assert spec.renormalize == (arch != "qwen2_moe")  # llama.cpp: qwen3moe and gpt-oss renormalise, qwen2moe not
+    assert spec.qkv_bias == (arch != "qwen3_moe")
+    if arch == "qwen2_moe":
+        assert spec.shared_expert_intermediate_size == cfg.shared_expert_intermediate_size
+    if arch == "gpt_oss":
+        assert spec.layer_windows == (4, None, 4) and spec.expert_bias and spec.rope_scaling["factor"] == 32.0
+
+
+@pytest.mark.parametrize("arch", list(LAYER_TYPES))
+def test_experts_stay_in_their_gguf_types(arch, cases, loaded):
+    """Each layer's banks hold the file's blocks byte for byte, in the layer's format (a narrower layer's
+    rows at the start of the widest row)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(cases[arch].path))
+    data = {t.name: torch.from_numpy(t.data.copy()) for t in reader.tensors}
+    banks = loaded[arch].banks
+    for ordinal, (types, fmt) in enumerate(LAYER_TYPES[arch]):
+        layer, t = loaded[arch].spec.moe_layer_ids[ordinal], banks.layers[ordinal].tensors
+        assert banks.layers[ordinal].format is fmt
+        I = t["gate_up"].shape[1] // 2
+        gate, up, down = (data[f"blk.{layer}.ffn_{p}_exps.weight"] for p in ("gate", "up", "down"))
+        assert torch.equal(t["gate_up"][:, :I, :gate.shape[-1]], gate)
+        assert torch.equal(t["gate_up"][:, I:, :up.shape[-1]], up)
+        assert torch.equal(t["down"][:, :, :down.shape[-1]], down)
+
+
+@pytest.mark.parametrize("arch", list(LAYER_TYPES))
+def test_last_logits_match_reference(arch, cases, loaded):
+    lm = loaded[arch]
+    lm.model.set_backend(build_backend(lm, EngineConfig(model=str(cases[arch].path))))
+    kv = KVCache(lm.spec, 1, 64, "cpu", torch.float32)
+    ours = lm.model(torch.tensor(PROMPT), torch.arange(len(PROMPT)), ForwardBatch.single(0, 0, len(PROMPT)), kv)[0]
+    assert (ours - hf_last_logits(cases[arch].ref, PROMPT)).abs().max().item() <= tolerance(torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arch", list(LAYER_TYPES))
+def test_every_backend_greedy_equals_transformers(arch, backend, cases, loaded, reference_tokens):
+    lm = loaded[arch]
+    slots = {} if backend == "resident" else {"moe_cache_size": lm.spec.top_k}  # the smallest cache: misses every step
+    backend_obj = build_backend(lm, EngineConfig(model=str(cases[arch].path), moe_backend=backend, **slots))
+    lm.model.set_backend(backend_obj)
+    try:
+        ours = greedy_generate(lm, PROMPT, 24)
+    finally:
+        getattr(backend_obj, "close", lambda: None)()
+    assert ours == reference_tokens[arch]
+    assert len(set(ours)) > 1
+
+
+def test_expert_dtype_dtype_dequantizes_gguf_experts(cases, reference_tokens):
+    lm = load_model(EngineConfig(model=str(cases["qwen3_moe"].path), moe_expert_dtype="dtype"))
+    assert {layer.format for layer in lm.banks.layers} == {ExpertFormat.UNQUANTIZED}
+    assert greedy_generate(lm, PROMPT, 24) == reference_tokens["qwen3_moe"]
+
+
+@pytest.mark.parametrize("pre", ["qwen2", "gpt2"])
+def test_tokenizer_matches_transformers_gguf_tokenizer(pre, cases, tmp_path):
+    """The tokenizer built from tokenizer.ggml.* encodes like transformers' GGUF tokenizer and like the
+    tokenizer.json the file was written from; the chat template and the end ids come along."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from services.common.tokenizer import Tokenizer
+    from services.engine.models.demo import write_tokenizer_files
+    from services.engine.models.gguf_reader import GGUFFile
+    from services.engine.models.gguf_tokenizer import write_tokenizer_files as write_gguf_tokenizer
+
+    path = write_gguf(cases["qwen3_moe"].hf, tmp_path / "tok.gguf", ("q8_0", "q8_0"), pre=pre)
+    write_gguf_tokenizer(GGUFFile(path), tmp_path / "ours")
+    write_tokenizer_files(tmp_path / "original")
+    ours, original = Tokenizer.from_dir(tmp_path / "ours"), Tokenizer.from_dir(tmp_path / "original")
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    texts = ["Hello world", "  leading spaces and\ttabs\n\nnew lines", "don't stop 12345 numbers",
+             "<|im_start|>user\nhi<|im_end|>\n", "émoji 🙂 and ünïcode", ""]
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text, add_special_tokens=False), text
+        assert ours.decode(ids) == text
+        if pre == "gpt2":  # the demo tokenizer's own pre-tokenizer: the very ids of its tokenizer.json
+            assert ids == original.encode(text)
+    config = json.loads((tmp_path / "original" / "tokenizer_config.json").read_text())
+    assert ours.tokenizer_config["chat_template"] == config["chat_template"]
+    assert ours.eos_token_ids == [ours.token_to_id(config["eos_token"])]
+    assert ours.apply_chat_template([{"role": "user", "content": "hi"}]) == original.apply_chat_template(
+        [{"role": "user", "content": "hi"}])
+
+
+def test_split_file_loads_like_the_single_file(cases, loaded, tmp_path):
+    """A model split in two shards (llama.cpp's -0000K-of-0000N naming, metadata in the first) loads from its
+    first shard with the same tokens as the single file."""
+    import gguf
+
+    src = gguf.GGUFReader(str(cases["qwen3_moe"].path))
+    half = len(src.tensors) // 2
+    for k, tensors in enumerate((src.tensors[:half], src.tensors[half:]), 1):
+        w = gguf.GGUFWriter(str(tmp_path / f"tiny-{k:05d}-of-00002.gguf"), "qwen3moe" if k == 1 else None)
+        if k == 1:
+            for name, field in src.fields.items():
+                if name.startswith("GGUF.") or name == "general.architecture":
+                    continue
+                value, vtype = field.contents(), field.types[0]
+                sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+                w.add_key_value(name, value, vtype, sub_type=sub)
+        w.add_uint16("split.no", k - 1)
+        w.add_uint16("split.count", 2)
+        for t in tensors:
+            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    lm = load_model(EngineConfig(model=str(tmp_path / "tiny-00001-of-00002.gguf")))
+    assert lm.model_id == "tiny"
+    want = loaded["qwen3_moe"]
+    want.model.set_backend(build_backend(want, EngineConfig(model=str(cases["qwen3_moe"].path))))
+    assert greedy_generate(lm, PROMPT, 12) == greedy_generate(want, PROMPT, 12)
+    (tmp_path / "tiny-00002-of-00002.gguf").unlink()
+    with pytest.raises(LoaderError, match=r"split GGUF model of 2 files is missing tiny-00002-of-00002\.gguf"):
+        load_model(EngineConfig(model=str(tmp_path / "tiny-00001-of-00002.gguf")))
+
+
+def _rewrite(src: Path, dst: Path, arch: str | None = None, retype: dict | None = None) -> Path:
+    """A copy of the GGUF ``src`` at ``dst`` with another architecture name and/or some tensors re-quantized
+    to other types ({name: GGMLQuantizationType}, from their dequantized values)."""
+    import gguf
+
+    r = gguf.GGUFReader(str(src))
+    old = str(r.fields["general.architecture"].contents())
+    w = gguf.GGUFWriter(str(dst), arch or old)
+    for name, field in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name.replace(old + ".", (arch or old) + ".", 1), field.contents(), field.types[0], sub_type=sub)
+    for t in r.tensors:
+        if retype and t.name in retype:
+            w.add_tensor(t.name, gguf.quantize(gguf.dequantize(t.data, t.tensor_type), retype[t.name]),
+                         raw_dtype=retype[t.name])
+        else:
+            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def _bad_files(src: Path, d: Path) -> dict[str, tuple[Path, str]]:
+    import gguf
+
+    Q4_0, Q8_0 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0
+    truncated = d / "truncated.gguf"
+    truncated.write_bytes(src.read_bytes()[:-4096])
+    not_gguf = d / "notgguf.gguf"
+    not_gguf.write_bytes(b"GGML" + bytes(100))
+    return {
+        "arch": (_rewrite(src, d / "llama.gguf", arch="llama"),
+                 r"GGUF architecture 'llama' is not supported \(supported: architectures qwen3moe, qwen2moe, gpt-oss"),
+        "type": (_rewrite(src, d / "q4_0.gguf", retype={f"blk.0.ffn_{p}_exps.weight": Q4_0 for p in ("gate", "up", "down")}),
+                 r"expert tensor 'blk\.0\.ffn_gate_exps\.weight' has type Q4_0, which the engine does not hold "
+                 r"\(supported: .*Q4_K, Q5_K, Q6_K, Q8_0, MXFP4"),
+        "gate_up": (_rewrite(src, d / "mixed.gguf", retype={"blk.0.ffn_up_exps.weight": Q8_0}),
+                    r"'blk\.0\.ffn_gate_exps\.weight' is Q4_K but 'blk\.0\.ffn_up_exps\.weight' is Q8_0"),
+        "truncated": (truncated, r"truncated\.gguf: .*truncated"),
+        "not_gguf": (not_gguf, r"notgguf\.gguf: not a readable GGUF file"),
+    }
+
+
+@pytest.mark.parametrize("case", ["arch", "type", "gate_up", "truncated", "not_gguf"])
+def test_bad_files_get_one_clear_line(case, cases, tmp_path):
+    """Preflight and the loader both refuse with one line naming the file and what is supported."""
+    from services.engine.preflight import check_model
+
+    path, pattern = _bad_files(cases["qwen3_moe"].path, tmp_path)[case]
+    for refuse in (check_model, load_model):
+        with pytest.raises(LoaderError, match=pattern) as err:
+            refuse(EngineConfig(model=str(path)))
+        assert "\n" not in str(err.value)
+
+
+def test_serve_refuses_a_bad_file_in_one_line(cases, tmp_path):
+    path, _ = _bad_files(cases["qwen3_moe"].path, tmp_path)["arch"]
+    r = subprocess.run([sys.executable, "-m", "services.cli", "engine", "--model", str(path)], capture_output=True,
+                       text=True, timeout=120, cwd=Path(__file__).resolve().parents[3])
+    assert r.returncode == 2
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "GGUF architecture 'llama' is not supported" in lines[0], r.stderr
+
+
+def test_preflight_counts_experts_in_their_gguf_type(cases):
+    """The host memory preflight counts a GGUF model's experts in the widest layer format, not in --dtype."""
+    from services.engine.moe.banks import expert_nbytes
+    from services.engine.preflight import check_fits, check_model
+
+    c = cases["qwen3_moe"]
+    spec = check_model(EngineConfig(model=str(c.path)))
+    D, I = spec.hidden_size, spec.moe_intermediate_size
+    held = spec.num_moe_layers * spec.num_experts * expert_nbytes(ExpertFormat.Q4_K_Q6_K, D, I, torch.float32)
+    check_fits(spec, EngineConfig(model=str(c.path)), torch.device("cpu"), host_available=10 * held,
+               stored=ExpertFormat.Q4_K_Q6_K)
+    with pytest.raises(ValueError, match="host memory"):
+        check_fits(spec, EngineConfig(model=str(c.path)), torch.device("cpu"), host_available=held // 2,
+                   stored=ExpertFormat.Q4_K_Q6_K)
