@@ -51,6 +51,7 @@ def check_model(config: EngineConfig) -> ModelSpec:
         synthetic.parse_name(config.model)  # a bad name is named before the tokenizer is written
         vocab = Tokenizer.from_file(str(synthetic.tokenizer_dir(config.model) / "tokenizer.json")).get_vocab_size()
         spec = synthetic.synthetic_spec(config.model, vocab)
+        stored = _widest(synthetic.expert_formats(config.model, spec), spec)
     else:
         if config.model == DEMO:
             from services.engine.models.demo import ensure_demo_checkpoint
@@ -81,9 +82,13 @@ def _check_gguf(model: str) -> tuple[ModelSpec, ExpertFormat]:
     f = GGUFFile(model)
     spec = read_gguf_spec(f)
     tokenizer_json(f)
-    formats = {layer_format(f, layer) for layer in spec.moe_layer_ids} or {ExpertFormat.UNQUANTIZED}
+    return spec, _widest([layer_format(f, layer) for layer in spec.moe_layer_ids], spec)
+
+
+def _widest(formats: list[ExpertFormat], spec: ModelSpec) -> ExpertFormat:
+    """The format of the most bytes per expert among ``formats`` (the banks of every layer take its rows)."""
     D, I = spec.hidden_size, spec.moe_intermediate_size
-    return spec, max(formats, key=lambda fmt: expert_nbytes(fmt, D, I, torch.float32))
+    return max(formats or [ExpertFormat.UNQUANTIZED], key=lambda fmt: expert_nbytes(fmt, D, I, torch.float32))
 
 
 def check_fits(spec: ModelSpec, config: EngineConfig, device: torch.device,

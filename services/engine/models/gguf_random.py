@@ -65,3 +65,27 @@ def random_blocks_(out: torch.Tensor, qtype: str, std: float, gen: torch.Generat
         blocks.copy_(torch.randint(0, 256, blocks.shape, dtype=torch.uint8, generator=gen, device=gen.device))
     _set_scales_(blocks, qtype, std / _unit_std(qtype))
     return out
+
+
+# Expert type mixes of the synthetic models and the benchmark GGUF writer, by name: a single type for every
+# expert tensor, or llama.cpp's _M mixes. For Q4_K_M / Q5_K_M llama.cpp (src/llama-quant.cpp) keeps
+# gate/up in q4_K / q5_K and gives ffn_down q6_K in the layers ``use_more_bits`` picks (the first and last
+# eighth, and every third between), its base type elsewhere; the same rule here (approximately what
+# llama.cpp does: it also adjusts attention tensors, which the engine dequantizes anyway).
+SINGLE_TYPES = ("q4_K", "q5_K", "q6_K", "q8_0", "mxfp4_gguf")
+MIXES = {"q4_K_M": "q4_K", "q5_K_M": "q5_K"}
+
+
+def use_more_bits(layer: int, num_layers: int) -> bool:
+    """llama.cpp's rule for the layers whose ffn_down gets q6_K in a _M mix."""
+    return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
+
+
+def layer_types(mix: str, num_layers: int) -> list[tuple[str, str]]:
+    """Per MoE layer, the (gate/up, down) GGUF types of mix ``mix`` (ValueError naming the mixes)."""
+    if mix in SINGLE_TYPES:
+        return [(mix, mix)] * num_layers
+    if mix in MIXES:
+        base = MIXES[mix]
+        return [(base, "q6_K" if use_more_bits(i, num_layers) else base) for i in range(num_layers)]
+    raise ValueError(f"unknown GGUF expert types {mix!r} (one of {', '.join(SINGLE_TYPES + tuple(MIXES))})")

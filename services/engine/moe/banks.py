@@ -151,6 +151,21 @@ def expert_nbytes(fmt: ExpertFormat, D: int, I: int, dtype: torch.dtype) -> int:
     return sum(math.prod(s.shape(D, I)) * (s.dtype or dtype).itemsize for s in BANK_SCHEMAS[fmt])
 
 
+def bank_shapes(formats, D: int, I: int, dtype: torch.dtype, bias: bool = False) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Per bank name, the per-expert shape and dtype of banks that hold layers of any of ``formats``: each
+    dimension the largest any format needs (GGUF layers of different types share the widest row)."""
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for f in dict.fromkeys(formats):
+        check_geometry(f, D, I)
+        for s in BANK_SCHEMAS[f] + (BIAS_BANKS if bias else ()):
+            shape, old = s.shape(D, I), shapes.get(s.name)
+            if old is not None and (old[1] != (s.dtype or dtype) or len(old[0]) != len(shape)):
+                raise ValueError(f"expert banks: layer formats {sorted({x.value for x in formats})} disagree "
+                                 f"on bank {s.name!r}")
+            shapes[s.name] = (shape if old is None else tuple(map(max, old[0], shape)), s.dtype or dtype)
+    return shapes
+
+
 @dataclass
 class LayerBanks:
     """The banks of one MoE layer: ``tensors[name]`` is ``[E, *spec.shape(D, I)]``."""
@@ -196,15 +211,7 @@ class ExpertBanks:
         formats = [fmt] * num_layers if isinstance(fmt, ExpertFormat) else list(fmt)
         if len(formats) != num_layers:
             raise ValueError(f"expert banks: {len(formats)} formats for {num_layers} layers")
-        shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-        for f in dict.fromkeys(formats):
-            check_geometry(f, D, I)
-            for s in BANK_SCHEMAS[f] + (BIAS_BANKS if bias else ()):
-                shape, old = s.shape(D, I), shapes.get(s.name)
-                if old is not None and (old[1] != (s.dtype or dtype) or len(old[0]) != len(shape)):
-                    raise ValueError(f"expert banks: layer formats {sorted({x.value for x in formats})} disagree "
-                                     f"on bank {s.name!r}")
-                shapes[s.name] = (shape if old is None else tuple(map(max, old[0], shape)), s.dtype or dtype)
+        shapes = bank_shapes(formats, D, I, dtype, bias)
         layers = [LayerBanks(f, {name: host_bank((E, *shape), dt) for name, (shape, dt) in shapes.items()})
                   for f in formats]
         banks = ExpertBanks(layers, activation)

@@ -332,3 +332,43 @@ def test_preflight_counts_experts_in_their_gguf_type(cases, monkeypatch):
     monkeypatch.setattr(preflight, "_mem_available", lambda: 1)
     with pytest.raises(ValueError, match=rf"\(experts {fmt_bytes(held)} \+"):
         check_model(EngineConfig(model=str(c.path)))
+
+
+@pytest.mark.parametrize("experts", ["q8_0", "mxfp4_gguf"])
+def test_synthetic_experts_in_gguf_types(experts):
+    """``synthetic:NAME?experts=TYPE``: banks in the GGUF type at the preset's geometry, values of the float
+    init's spread (dequantized by the gguf package), and the model decodes."""
+    from services.engine.models.synthetic import param_std
+    from services.engine.moe.dequant import dense_experts
+
+    lm = load_model(EngineConfig(model=f"synthetic:tiny?experts={experts}"))
+    assert {layer.format for layer in lm.banks.layers} == {ExpertFormat(experts)}
+    t = lm.banks.layers[0].tensors
+    gate_up, down = dense_experts(ExpertFormat(experts), t["gate_up"], t["down"], None, None, torch.float32)
+    assert gate_up.shape[1:] == (2 * lm.spec.moe_intermediate_size, lm.spec.hidden_size)
+    for name, w in (("gate_up", gate_up), ("down", down)):
+        want = param_std(f"experts.{name}", lm.spec)
+        assert 0.6 * want < float(w.std()) < 1.5 * want  # mxfp4: one power-of-two scale per tensor
+    assert len(set(greedy_generate(lm, PROMPT, 8))) > 1
+
+
+def test_q4_K_M_mix_follows_llama_cpp():
+    """llama.cpp's use_more_bits: down in q6_K in the first and last eighth of the layers and every third
+    between (48 layers: 0-5, 42-47, and 8, 11, ..., 41)."""
+    from services.engine.models.gguf_random import layer_types
+
+    types = layer_types("q4_K_M", 48)
+    more = [i for i, (gu, down) in enumerate(types) if down == "q6_K"]
+    assert {gu for gu, _ in types} == {"q4_K"}
+    assert more == [0, 1, 2, 3, 4, 5, *range(8, 42, 3), 42, 43, 44, 45, 46, 47]
+    with pytest.raises(ValueError, match="unknown GGUF expert types 'q3_K'"):
+        layer_types("q3_K", 4)
+
+
+@pytest.mark.parametrize("model, message", [
+    ("synthetic:tiny?experts=q4_K", r"q4_K expert banks need the hidden size \(64\) to be a multiple of 256"),
+    ("synthetic:tiny?experts=q3_K", r"experts must be one of q4_K, q5_K, q6_K, q8_0, mxfp4_gguf, q4_K_M, q5_K_M"),
+])
+def test_synthetic_refuses_a_type_its_geometry_cannot_hold(model, message):
+    with pytest.raises(LoaderError, match=message):
+        load_model(EngineConfig(model=model))
