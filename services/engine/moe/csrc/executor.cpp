@@ -115,6 +115,7 @@ struct Job {
   int64_t ready_value = 0;
   int T = 0, A = 0, D = 0, I = 0, E = 0;
   WDtype wdt = WDtype::F32;
+  int gu_gguf = 0, dn_gguf = 0;      // GGUF: gate_up's and down's GgufType (they may differ), else 0
   bool bf16_inputs = false;          // the GEMVs take bf16 inputs (x_bf16, act_bf16), else fp32
   // scratch, sized in submit() for the worst case R = T*A
   std::vector<int> count;            // [E]
@@ -238,20 +239,34 @@ class Executor {
     const torch::Tensor& gate_up = banks[0];
     const torch::Tensor& down = banks[1];
     const auto T = hidden.size(0), D = hidden.size(1), A = ids.size(1);
-    const bool mx = gate_up.scalar_type() == torch::kUInt8;  // mxfp4: two e2m1 values per byte
-    const auto E = gate_up.size(0), I = down.size(2) * (mx ? 2 : 1);
+    // uint8 banks: mxfp4 (two e2m1 values per byte, two scale banks) or GGUF blocks (no scale banks; each
+    // bank's type told by its row bytes, gguf_type_of_row: the five types' bytes per value all differ)
+    const bool gguf = gate_up.scalar_type() == torch::kUInt8 && banks.size() == 2;
+    const bool mx = gate_up.scalar_type() == torch::kUInt8 && !gguf;
+    const auto E = gate_up.size(0), I = gguf ? gate_up.size(1) / 2 : down.size(2) * (mx ? 2 : 1);
+    int gu_gguf = 0, dn_gguf = 0;
+    if (gguf) {
+      gu_gguf = gguf_type_of_row(gate_up.size(2), D);
+      dn_gguf = gguf_type_of_row(down.size(2), I);
+      TORCH_CHECK(gu_gguf != 0 && dn_gguf != 0 && gate_up.size(1) % 2 == 0, "cpu executor: uint8 banks without "
+                  "scale banks are GGUF blocks, gate_up [E, 2I, row_bytes(D)] and down [E, D, row_bytes(I)] of "
+                  "q4_K, q5_K, q6_K, q8_0 or mxfp4_gguf; got gate_up ", gate_up.sizes(), ", down ", down.sizes(),
+                  " with D = ", D, " (mxfp4 banks come with two scale banks)");
+    }
     TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "cpu executor: hidden must be contiguous [T, D]");
     TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T && ids.is_contiguous(), "cpu executor: ids must be contiguous [T, A]");
     TORCH_CHECK(weights.sizes() == ids.sizes() && weights.is_contiguous(), "cpu executor: weights must be contiguous [T, A] like ids");
-    TORCH_CHECK(gate_up.dim() == 3 && gate_up.size(1) == 2 * I && gate_up.size(2) == (mx ? D / 2 : D) &&
+    TORCH_CHECK(gate_up.dim() == 3 && gate_up.size(1) == 2 * I &&
+                    gate_up.size(2) == (gguf ? gguf_row_bytes(gu_gguf, D) : mx ? D / 2 : D) &&
                     gate_up.is_contiguous(),
                 "cpu executor: gate_up bank must be contiguous [E, 2I, D] (mxfp4: uint8 [E, 2I, D/2])");
     TORCH_CHECK(down.dim() == 3 && down.size(0) == E && down.size(1) == D && down.is_contiguous(),
                 "cpu executor: down bank must be contiguous [E, D, I]");
     const bool fp8 = gate_up.scalar_type() == torch::kFloat8_e4m3fn;
     TORCH_CHECK(gate_up.scalar_type() == down.scalar_type() &&
-                (gate_up.scalar_type() == torch::kFloat32 || gate_up.scalar_type() == torch::kBFloat16 || fp8 || mx),
-                "cpu executor: banks must both be float32, bfloat16, float8_e4m3fn or uint8 (mxfp4)");
+                (gate_up.scalar_type() == torch::kFloat32 || gate_up.scalar_type() == torch::kBFloat16 || fp8 || mx ||
+                 gguf),
+                "cpu executor: banks must both be float32, bfloat16, float8_e4m3fn or uint8 (mxfp4, GGUF)");
     TORCH_CHECK((fp8 || mx) == (banks.size() == 4),
                 "cpu executor: float8_e4m3fn and mxfp4 banks (and only they) come with two scale banks");
     if (mx) check_mxfp4_scales(banks, E, D, I);
@@ -285,7 +300,9 @@ class Executor {
     j.ready = ready.defined() && ready.numel() > 0 ? ready : torch::Tensor();
     j.ready_value = ready_value;
     j.T = T; j.A = A; j.D = D; j.I = I; j.E = E;
-    j.wdt = mx ? WDtype::MXFP4 : fp8 ? WDtype::FP8 : gate_up.scalar_type() == torch::kBFloat16 ? WDtype::BF16 : WDtype::F32;
+    j.wdt = gguf ? WDtype::GGUF : mx ? WDtype::MXFP4 : fp8 ? WDtype::FP8
+          : gate_up.scalar_type() == torch::kBFloat16 ? WDtype::BF16 : WDtype::F32;
+    j.gu_gguf = gu_gguf; j.dn_gguf = dn_gguf;  // GGUF: fp32 inputs (bf16_inputs stays false below)
     // bf16 inputs to the dpbf16 kernels: bf16 weights always (where the CPU has the kernel); FP8 weights when
     // the model computes in bf16 (hidden arrives in bf16, so only the SwiGLU output is rounded, as the
     // GPU's bf16 path rounds it). An fp32 model's FP8 experts keep the fp32-input kernel: exact products.
@@ -771,14 +788,21 @@ class Executor {
   }
 
   GemvFn gemv() const {
+    if (job_.wdt == WDtype::GGUF) return k_.gemv_gguf;
     if (job_.wdt == WDtype::MXFP4) return job_.bf16_inputs ? k_.gemv_mxfp4_bx : k_.gemv_mxfp4;
     if (job_.wdt == WDtype::FP8) return job_.bf16_inputs ? k_.gemv_fp8_bx : k_.gemv_fp8;
     return job_.wdt == WDtype::BF16 ? k_.gemv_bf16 : k_.gemv_f32;
   }
-  // bytes of `elems` weights in the job's bank dtype (mxfp4: two per byte)
-  size_t wbytes(size_t elems) const { return job_.wdt == WDtype::MXFP4 ? elems / 2 : elems * welem(); }
+  // bytes of `elems` weights in the job's bank dtype (mxfp4: two per byte; GGUF: the blocks of type
+  // `gguf`, elems a whole number of rows)
+  size_t wbytes(size_t elems, int gguf = 0) const {
+    if (job_.wdt == WDtype::GGUF) return elems / gguf_block_values(gguf) * gguf_row_bytes(gguf, gguf_block_values(gguf));
+    return job_.wdt == WDtype::MXFP4 ? elems / 2 : elems * welem();
+  }
   // one expert's weight bytes (what a job streams per expert; scales included for mxfp4: 1/16 more)
   int64_t expert_weight_bytes() const {
+    if (job_.wdt == WDtype::GGUF)
+      return 2 * (int64_t)job_.I * gguf_row_bytes(job_.gu_gguf, job_.D) + (int64_t)job_.D * gguf_row_bytes(job_.dn_gguf, job_.I);
     const int64_t n = 3 * (int64_t)job_.I * job_.D;
     return job_.wdt == WDtype::MXFP4 ? n / 2 + n / kMxBlock : n * (int64_t)welem();
   }
@@ -850,11 +874,12 @@ class Executor {
       const int g = static_cast<int>(u / I);
       const int64_t i0 = u % I, i1 = std::min<int64_t>(I, i0 + (u1 - u));
       const int r0 = j.group_start[g], nt = j.group_start[g + 1] - r0;
-      const char* W = bank + wbytes((size_t)j.group_expert[g] * 2 * I * D);
+      const char* W = bank + wbytes((size_t)j.group_expert[g] * 2 * I * D, j.gu_gguf);
       thread_local std::vector<float*> y;
       y.resize(nt);
       for (int t = 0; t < nt; ++t) y[t] = j.h_ptr[r0 + t] + i0;
-      GemvArgs a{W + wbytes((size_t)i0 * D), D, static_cast<int>(i1 - i0), static_cast<int>(D), &j.x_ptr[r0], nt, y.data(), nullptr};
+      GemvArgs a{W + wbytes((size_t)i0 * D, j.gu_gguf), D, static_cast<int>(i1 - i0), static_cast<int>(D), &j.x_ptr[r0], nt, y.data(), nullptr};
+      a.gguf = j.gu_gguf;
       if (j.wdt == WDtype::FP8) {  // gate's block grid first, then up's (fp8.py)
         a.lds = blocks(D);
         a.srow0 = static_cast<int>(i0);
@@ -867,7 +892,7 @@ class Executor {
       }
       gemv()(a);  // gate rows
       for (int t = 0; t < nt; ++t) y[t] = j.h_ptr[r0 + t] + I + i0;
-      a.W = W + wbytes((size_t)(I + i0) * D);
+      a.W = W + wbytes((size_t)(I + i0) * D, j.gu_gguf);
       if (j.wdt == WDtype::FP8) a.wscale += blocks(I) * a.lds;
       if (mxs) a.mxscale = mxs + (size_t)(I + i0) * (D / kMxBlock);
       gemv()(a);  // up rows
@@ -907,8 +932,9 @@ class Executor {
       const int r0 = j.group_start[g], nt = j.group_start[g + 1] - r0;
       y.resize(nt);
       for (int t = 0; t < nt; ++t) y[t] = j.out_ptr[r0 + t] + d0;
-      const char* W = bank + wbytes((size_t)j.group_expert[g] * D * I + (size_t)d0 * I);
+      const char* W = bank + wbytes((size_t)j.group_expert[g] * D * I + (size_t)d0 * I, j.dn_gguf);
       GemvArgs a{W, I, static_cast<int>(d1 - d0), static_cast<int>(I), &j.act_ptr[r0], nt, y.data(), &j.route_w[r0]};
+      a.gguf = j.dn_gguf;
       if (j.wdt == WDtype::FP8) {
         a.lds = blocks(I);
         a.srow0 = static_cast<int>(d0);
