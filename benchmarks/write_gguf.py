@@ -27,9 +27,9 @@ from services.engine.models import synthetic
 from services.engine.models.errors import LoaderError
 from services.engine.models.gguf_loader import ARCHS, expert_names, gguf_name
 from services.engine.models.spec import ModelSpec
-from services.engine.moe.banks import GGUF_TYPES, ExpertFormat, gguf_row_bytes
+from services.engine.moe.banks import GGUF_TYPES, ExpertFormat
+from services.engine.moe.gguf_quant import GGML_TYPE_ID, row_bytes as gguf_row_bytes
 
-GGML_NAMES = {"q4_K": "Q4_K", "q5_K": "Q5_K", "q6_K": "Q6_K", "q8_0": "Q8_0", "mxfp4_gguf": "MXFP4"}
 
 
 def _arch(spec: ModelSpec) -> str:
@@ -119,7 +119,7 @@ def write(model: str, experts: str, out: Path, seed: int = 0, split_max_size: in
         gu, dn = lb.tensors["gate_up"][..., :gguf_row_bytes(gu_type, D)], lb.tensors["down"][..., :gguf_row_bytes(down_type, I)]
         names = expert_names(layer)
         for p, data, qtype in (("gate", gu[:, :I], gu_type), ("up", gu[:, I:], gu_type), ("down", dn, down_type)):
-            jobs.append((names[p], data.numpy(), gguf.GGMLQuantizationType[GGML_NAMES[qtype]]))
+            jobs.append((names[p], data.numpy(), gguf.GGMLQuantizationType(GGML_TYPE_ID[qtype])))
         if lb.bias is not None:  # gpt-oss
             b_gu, b_d = lb.bias
             for p, v in (("gate", b_gu[:, :I]), ("up", b_gu[:, I:]), ("down", b_d)):

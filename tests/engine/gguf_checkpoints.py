@@ -73,7 +73,7 @@ def _quantized(values: torch.Tensor, qtype: str, gen: torch.Generator) -> np.nda
     import gguf
 
     from services.engine.models.gguf_random import random_blocks_
-    from services.engine.moe.banks import gguf_row_bytes
+    from services.engine.moe.gguf_quant import row_bytes as gguf_row_bytes
 
     if qtype == "f32":
         return values.float().numpy()

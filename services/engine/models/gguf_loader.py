@@ -71,7 +71,7 @@ LAYER_NAMES = {
     **{f"mlp.shared_expert.{p}_proj.weight": (f"ffn_{p}_shexp.weight",) for p in ("gate", "up", "down")},
     "mlp.shared_expert_gate.weight": ("ffn_gate_inp_shexp.weight",),  # [D] in GGUF, [1, D] here
 }
-# GGUF type name -> the banks' type name (moe/banks.py GGUF_BLOCKS); F32/F16/BF16 experts load unquantized
+# GGUF type name -> the banks' type name (moe/gguf_quant.py GGUFType values); F32/F16/BF16 experts load unquantized
 EXPERT_TYPES = {"Q4_K": "q4_K", "Q5_K": "q5_K", "Q6_K": "q6_K", "Q8_0": "q8_0", "MXFP4": "mxfp4_gguf"}
 PLAIN_TYPES = ("F32", "F16", "BF16")
 

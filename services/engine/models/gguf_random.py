@@ -8,7 +8,7 @@ where random bytes take seconds. Every byte of a block is uniform random except 
 (``d``, and ``dmin`` for the K types with minimums), set so the values have the wanted spread: the
 quantized codes and sub-block scales are then uniform, so a kernel meets every code. MXFP4's E8M0 scale
 byte is one power of two per tensor. The spread is measured on 64 blocks through the dequantizer
-(``dequant.gguf_dense_experts``'s), once per type.
+(moe/gguf_quant.py), once per type.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from services.engine.moe.banks import GGUF_BLOCKS
+from services.engine.moe.gguf_quant import BLOCK, GGUFType, dequantize
 
 # per type: byte offset of the fp16 d, of the fp16 dmin (None: no minimum), and the mean code the minimum
 # cancels (the codes' mean times the mean sub-block scale: values centred on 0 on average); mxfp4: the E8M0 byte
@@ -43,19 +43,18 @@ def _set_scales_(blocks: torch.Tensor, qtype: str, d: float) -> None:
 @functools.cache
 def _unit_std(qtype: str) -> float:
     """Standard deviation of the values of random blocks with d = 1 (64 blocks, fixed seed)."""
-    from services.engine.moe.dequant import _gguf_dequantize
-
-    n, nbytes = GGUF_BLOCKS[qtype]
+    n, nbytes = BLOCK[GGUFType(qtype)]
     gen = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (64, nbytes), dtype=torch.uint8, generator=gen)
     _set_scales_(blocks, qtype, 1.0)
-    return float(_gguf_dequantize(blocks, qtype, n).std())
+    return float(dequantize(blocks, qtype, n).std())
 
 
 def random_blocks_(out: torch.Tensor, qtype: str, std: float, gen: torch.Generator) -> torch.Tensor:
     """Fill ``out`` uint8 [..., row bytes] (whole blocks per row) in place with random blocks of ``qtype``
     whose values have standard deviation ~``std`` (mxfp4: within a factor sqrt(2)); returns ``out``."""
-    nbytes = GGUF_BLOCKS[qtype][1]
+    qtype = GGUFType(qtype).value
+    nbytes = BLOCK[GGUFType(qtype)][1]
     if out.shape[-1] % nbytes:
         raise ValueError(f"random {qtype} blocks: a row of {out.shape[-1]} bytes is not whole {nbytes}-byte blocks")
     blocks = out.view(*out.shape[:-1], -1, nbytes)

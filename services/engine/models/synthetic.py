@@ -61,7 +61,8 @@ from services.engine.models.loader import build_empty_model
 from services.engine.models.quant_config import checkpoint_format
 from services.engine.models.spec import ModelSpec
 from services.engine.moe.banks import (GGUF_TYPES, ExpertBanks, ExpertFormat, LayerBanks, bank_shapes, check_geometry,
-                                       gguf_format, gguf_row_bytes)
+                                       gguf_format)
+from services.engine.moe.gguf_quant import row_bytes as gguf_row_bytes
 
 log = get_logger("synthetic")
 

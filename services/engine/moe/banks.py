@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from services.common.logging import get_logger
+from services.engine.moe.gguf_quant import BLOCK, GGUFType, row_bytes
 from services.engine.moe.reference import ClampedSwiGLU
 
 log = get_logger("moe.banks")
@@ -51,31 +52,22 @@ class ExpertFormat(str, enum.Enum):
     Q5_K_Q6_K = "q5_K+q6_K"
 
 
-# GGUF block geometry of each type the expert banks hold: (values per block, bytes per block), as
-# ggml's type traits (gguf.GGML_QUANT_SIZES; a test checks they agree). Rows are whole blocks.
-GGUF_BLOCKS: dict[str, tuple[int, int]] = {"q4_K": (256, 144), "q5_K": (256, 176), "q6_K": (256, 210),
-                                           "q8_0": (32, 34), "mxfp4_gguf": (32, 17)}
-# per GGUF format, the types of (gate_up, down)
-GGUF_TYPES: dict[ExpertFormat, tuple[str, str]] = {
-    ExpertFormat.Q4_K: ("q4_K", "q4_K"), ExpertFormat.Q5_K: ("q5_K", "q5_K"), ExpertFormat.Q6_K: ("q6_K", "q6_K"),
-    ExpertFormat.Q8_0: ("q8_0", "q8_0"), ExpertFormat.MXFP4_GGUF: ("mxfp4_gguf", "mxfp4_gguf"),
-    ExpertFormat.Q4_K_Q6_K: ("q4_K", "q6_K"), ExpertFormat.Q5_K_Q6_K: ("q5_K", "q6_K"),
+# per GGUF format, the types of (gate_up, down) (services/engine/moe/gguf_quant.py: block layouts, row bytes)
+_Q4K, _Q5K, _Q6K, _Q80, _MX = GGUFType.Q4_K, GGUFType.Q5_K, GGUFType.Q6_K, GGUFType.Q8_0, GGUFType.MXFP4
+GGUF_TYPES: dict[ExpertFormat, tuple[GGUFType, GGUFType]] = {
+    ExpertFormat.Q4_K: (_Q4K, _Q4K), ExpertFormat.Q5_K: (_Q5K, _Q5K), ExpertFormat.Q6_K: (_Q6K, _Q6K),
+    ExpertFormat.Q8_0: (_Q80, _Q80), ExpertFormat.MXFP4_GGUF: (_MX, _MX),
+    ExpertFormat.Q4_K_Q6_K: (_Q4K, _Q6K), ExpertFormat.Q5_K_Q6_K: (_Q5K, _Q6K),
 }
 
 
-def gguf_row_bytes(qtype: str, cols: int) -> int:
-    """Bytes of one row of ``cols`` values in GGUF type ``qtype`` (cols a multiple of its block)."""
-    n, nbytes = GGUF_BLOCKS[qtype]
-    return cols // n * nbytes
-
-
-def gguf_format(gate_up: str, down: str) -> ExpertFormat:
+def gguf_format(gate_up: GGUFType | str, down: GGUFType | str) -> ExpertFormat:
     """The format of experts whose gate_up is in GGUF type ``gate_up`` and down in ``down``; ValueError
     naming the supported pairs otherwise."""
     for fmt, types in GGUF_TYPES.items():
-        if types == (gate_up, down):
+        if types == (GGUFType(gate_up), GGUFType(down)):
             return fmt
-    pairs = ", ".join("/".join(t) for t in GGUF_TYPES.values())
+    pairs = ", ".join("/".join(t.value for t in types) for types in GGUF_TYPES.values())
     raise ValueError(f"experts with gate/up in {gate_up} and down in {down} are not supported "
                      f"(supported gate_up/down types: {pairs})")
 
@@ -109,8 +101,8 @@ BANK_SCHEMAS: dict[ExpertFormat, tuple[BankSpec, ...]] = {
         BankSpec("down_scale", lambda D, I: (D, I // 32), torch.uint8),
     ),
     # GGUF formats: gate_up [2I, row bytes of D values] (rows [0, I) gate, [I, 2I) up), down [D, row bytes of I]
-    **{fmt: (BankSpec("gate_up", lambda D, I, t=gu: (2 * I, gguf_row_bytes(t, D)), torch.uint8),
-             BankSpec("down", lambda D, I, t=dn: (D, gguf_row_bytes(t, I)), torch.uint8))
+    **{fmt: (BankSpec("gate_up", lambda D, I, t=gu: (2 * I, row_bytes(t, D)), torch.uint8),
+             BankSpec("down", lambda D, I, t=dn: (D, row_bytes(t, I)), torch.uint8))
        for fmt, (gu, dn) in GGUF_TYPES.items()},
 }
 
@@ -141,9 +133,9 @@ def check_geometry(fmt: ExpertFormat, D: int, I: int) -> None:
         raise ValueError(f"mxfp4 expert banks need the hidden size ({D}) and the expert intermediate size ({I}) "
                          "to be multiples of 32 (one E8M0 scale per 32 values)")
     for qtype, cols, what in zip(GGUF_TYPES.get(fmt, ()), (D, I), ("hidden size", "expert intermediate size")):
-        if cols % GGUF_BLOCKS[qtype][0]:
-            raise ValueError(f"{qtype} expert banks need the {what} ({cols}) to be a multiple of "
-                             f"{GGUF_BLOCKS[qtype][0]} (one {qtype} block)")
+        if cols % BLOCK[qtype][0]:
+            raise ValueError(f"{qtype.value} expert banks need the {what} ({cols}) to be a multiple of "
+                             f"{BLOCK[qtype][0]} (one {qtype.value} block)")
 
 
 def expert_nbytes(fmt: ExpertFormat, D: int, I: int, dtype: torch.dtype) -> int:

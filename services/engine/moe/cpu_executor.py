@@ -30,6 +30,7 @@ import torch
 from services.common.logging import get_logger
 from services.common.settings import env
 from services.engine.moe.banks import GGUF_TYPES, ExpertBanks, LayerBanks
+from services.engine.moe.gguf_quant import row_bytes
 
 log = get_logger("engine.cpu_executor")
 
@@ -217,6 +218,15 @@ def default_num_threads(leave_driver_core: bool) -> int:
     return cores - 1 if leave_driver_core and cores > 2 else cores
 
 
+def _padded(lb: LayerBanks) -> bool:
+    """Whether GGUF layer ``lb``'s bank rows are wider than its types need."""
+    if lb.format not in GGUF_TYPES:
+        return False
+    gu, down = lb.tensors["gate_up"], lb.tensors["down"]
+    gu_type, down_type = GGUF_TYPES[lb.format]
+    return gu.shape[-1] != row_bytes(gu_type, down.shape[-2]) or down.shape[-1] != row_bytes(down_type, gu.shape[-2] // 2)
+
+
 class CpuExecutor:
     """Routed experts of one MoE layer on the CPU, asynchronously.
 
@@ -255,10 +265,11 @@ class CpuExecutor:
         self._impl = ext.Executor(self.worker_cpus, n, spin_us, isa)
         self._tids = _worker_tids() - others  # this pool's workers (named before the constructor returns)
         self.banks = banks
-        # GGUF layers: computed in torch (their blocks dequantized per expert, moe/dequant.py) until the C++
-        # kernels read GGUF blocks in place (docs/gguf-kernels.md); synchronous, on the calling thread
-        self.torch_layers = {i for i, lb in enumerate(banks.layers) if lb.format in GGUF_TYPES}
-        if not banks.plain_swiglu and not self.torch_layers:  # gpt-oss: expert biases and the clamped SwiGLU, set once per layer bank
+        # The C++ kernels tell a GGUF bank's type by its row bytes: a layer whose rows are wider than its types
+        # need (a GGUF file's layers of different types share the widest row, banks.bank_shapes) is computed in
+        # torch instead (its blocks dequantized per expert, moe/dequant.py), synchronously, on the calling thread
+        self.torch_layers = {i for i, lb in enumerate(banks.layers) if _padded(lb)}
+        if not banks.plain_swiglu:  # gpt-oss: expert biases and the clamped SwiGLU, set once per layer bank
             act = banks.activation
             self._impl.set_expert_math([lb.tensors["gate_up"] for lb in banks.layers],
                                        [lb.tensors["gate_up_bias"] for lb in banks.layers],

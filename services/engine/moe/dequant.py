@@ -17,7 +17,8 @@ from tqdm import tqdm
 from services.common.logging import get_logger
 from services.engine.models import mxfp4
 from services.engine.moe import fp8
-from services.engine.moe.banks import BANK_SCHEMAS, GGUF_TYPES, ExpertFormat, gguf_row_bytes, host_bank
+from services.engine.moe import gguf_quant
+from services.engine.moe.banks import BANK_SCHEMAS, GGUF_TYPES, ExpertFormat, host_bank
 
 log = get_logger("moe.dequant")
 
@@ -64,35 +65,11 @@ def dense_experts(fmt: ExpertFormat, gate_up: torch.Tensor, down: torch.Tensor, 
         return gate_up.to(dtype), down.to(dtype)
     if fmt is ExpertFormat.FP8_BLOCK:
         return fp8.dense_experts(gate_up, down, gate_up_scale, down_scale, dtype)
-    if fmt in GGUF_TYPES:
-        return gguf_dense_experts(fmt, gate_up, down, dtype)
+    if fmt in GGUF_TYPES:  # rows may be wider than the layer's types need (banks.bank_shapes): read their start
+        (gu_type, down_type), D, I = GGUF_TYPES[fmt], down.shape[-2], gate_up.shape[-2] // 2
+        return (gguf_quant.dequantize(gate_up[..., :gguf_quant.row_bytes(gu_type, D)], gu_type, D).to(dtype),
+                gguf_quant.dequantize(down[..., :gguf_quant.row_bytes(down_type, I)], down_type, I).to(dtype))
     return mxfp4.dense_experts(gate_up, down, gate_up_scale, down_scale, dtype)
-
-
-def gguf_dense_experts(fmt: ExpertFormat, gate_up: torch.Tensor, down: torch.Tensor,
-                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """GGUF banks gate_up uint8 [..., 2I, W_gu] · down uint8 [..., D, W_d] -> (gate_up [..., 2I, D], down
-    [..., D, I]) in ``dtype``. A row may be wider than its type needs (banks.ExpertBanks.allocate: layers of
-    mixed types share the widest row): only its first ``gguf_row_bytes`` bytes are read."""
-    gu_type, down_type = GGUF_TYPES[fmt]
-    D, I = down.shape[-2], gate_up.shape[-2] // 2
-    return (_gguf_dequantize(gate_up[..., :gguf_row_bytes(gu_type, D)], gu_type, D).to(dtype),
-            _gguf_dequantize(down[..., :gguf_row_bytes(down_type, I)], down_type, I).to(dtype))
-
-
-def _gguf_dequantize(blocks: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:
-    """uint8 [..., row bytes] -> float32 [..., cols] with the gguf package's numpy dequantizer (ggml's
-    reference maths). The interim path until the torch/Triton one (moe/gguf_quant.py) serves every
-    device: it goes through host memory."""
-    import gguf
-    import numpy as np
-
-    qt = {"q4_K": gguf.GGMLQuantizationType.Q4_K, "q5_K": gguf.GGMLQuantizationType.Q5_K,
-          "q6_K": gguf.GGMLQuantizationType.Q6_K, "q8_0": gguf.GGMLQuantizationType.Q8_0,
-          "mxfp4_gguf": gguf.GGMLQuantizationType.MXFP4}[qtype]
-    host = np.ascontiguousarray(blocks.detach().cpu().numpy())
-    out = torch.from_numpy(gguf.dequantize(host, qt).astype(np.float32, copy=False))
-    return out.reshape(*blocks.shape[:-1], cols).to(blocks.device)
 
 
 DEQUANT_CHUNK = 8  # experts dequantized together: ~0.8 GB of fp32 temporaries at gpt-oss's width
