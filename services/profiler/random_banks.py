@@ -1,5 +1,5 @@
-"""Random MXFP4 expert banks, fast: what `tandem bench bw --dtype mxfp4` and benchmarks/bench_cpu_executor
-measure on (bank names and shapes: services/engine/moe/banks.py, ExpertFormat.MXFP4).
+"""Random MXFP4 and GGUF expert banks, fast: what `tandem bench bw --dtype mxfp4` (or q4_K, ...) and
+benchmarks/bench_cpu_executor measure on (bank names and shapes: services/engine/moe/banks.py).
 
 The banks are filled by tiling a small pool of random bytes: torch's CPU RNG is serial (~0.2 GB/s on the
 H200 host), so drawing gpt-oss-120b's 4 layers x 128 experts (6.7 GB of nibbles) byte by byte, or quantizing
@@ -41,3 +41,19 @@ def fill_mxfp4_(*layers: dict[str, torch.Tensor], seed: int = 0) -> None:
                 fill_tiled_(t, scales)
             else:
                 t.zero_()
+
+
+GGUF_POOL_BLOCKS = (1 << 16) + 7  # blocks in the pool (~9-14 MB); odd, so experts start at different blocks
+
+
+def fill_gguf_(bank: torch.Tensor, qtype, seed: int = 0) -> None:
+    """Fill a GGUF bank uint8 [E, rows, row bytes of ``qtype``] (contiguous: whole blocks back to back) by tiling
+    a pool of random valid blocks (models/gguf_random.py: every code, finite scales of N(0, 0.02)-sized
+    values). The pool is whole blocks, so every block of the bank is one of the pool's."""
+    from services.engine.models.gguf_random import random_blocks_
+    from services.engine.moe.gguf_quant import BLOCK, GGUFType
+
+    nbytes = BLOCK[GGUFType(qtype)][1]
+    pool = torch.empty((GGUF_POOL_BLOCKS, nbytes), dtype=torch.uint8)
+    random_blocks_(pool, GGUFType(qtype).value, 0.02, torch.Generator().manual_seed(seed))
+    fill_tiled_(bank, pool.view(-1))
