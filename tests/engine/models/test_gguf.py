@@ -426,16 +426,21 @@ def test_cuda_decode_and_its_graph_equal_transformers(arch, backend, cases, refe
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_bfloat16_q4_K_M_synthetic_serves_every_backend():
-    """The real geometry: synthetic Qwen3-30B-A3B (2 layers) with llama.cpp's q4_K_M mix, bf16 on CUDA; every
-    cached backend's first decode tokens equal resident's."""
+    """The real geometry: synthetic Qwen3-30B-A3B (2 layers) with llama.cpp's q4_K_M mix (one padded layer), bf16
+    on CUDA: offload gives resident's tokens (the same kernels on the slots), hybrid (the CPU executor on part
+    of the misses) logits within bf16 tolerance of resident's."""
     model = "synthetic:qwen3-30b-a3b?layers=2&experts=q4_K_M"
-    want = None
+    out = {}
     for backend in ("resident", "offload", "hybrid"):
         slots = {} if backend == "resident" else {"moe_cache_rate": 0.1}
         lm = load_model(EngineConfig(model=model, device="cuda", dtype="bfloat16", moe_backend=backend, **slots))
         try:
-            got = greedy_generate(lm, PROMPT, 8)
+            kv = KVCache(lm.spec, 1, 64, "cuda", torch.bfloat16)
+            logits = lm.model(torch.tensor(PROMPT, device="cuda"), torch.arange(len(PROMPT), device="cuda"),
+                              ForwardBatch.single(0, 0, len(PROMPT)), kv)[0].float().cpu()
+            out[backend] = (logits, greedy_generate(lm, PROMPT, 8))
         finally:
             getattr(lm.backend, "close", lambda: None)()
-        want = got if want is None else want
-        assert got == want, backend
+    ref = out["resident"][0]
+    assert out["offload"][1] == out["resident"][1]
+    assert (out["hybrid"][0] - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
