@@ -37,7 +37,12 @@ LAYER = {
 }
 GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
           "lm_head.weight": "output.weight"}
-ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "gpt_oss": "gpt-oss"}
+ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "gpt_oss": "gpt-oss", "olmoe": "olmoe", "mixtral": "llama"}
+
+
+def permute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's LlamaModel.permute (convert_hf_to_gguf.py), applied to attn_q / attn_k of the llama family."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 GGML = {"q4_K": "Q4_K", "q5_K": "Q5_K", "q6_K": "Q6_K", "q8_0": "Q8_0", "mxfp4_gguf": "MXFP4", "f32": "F32"}
 
 
@@ -103,11 +108,15 @@ def write_gguf(hf, path: Path, expert_types, pre: str = "qwen2", seed: int = 0, 
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_expert_count(cfg.num_experts if model_type != "gpt_oss" else cfg.num_local_experts)
+    w.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
-    I = cfg.moe_intermediate_size if model_type != "gpt_oss" else cfg.intermediate_size
-    w.add_expert_feed_forward_length(I)
+    if model_type in ("qwen3_moe", "qwen2_moe", "gpt_oss"):  # llama / olmoe: feed_forward_length is the experts'
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size if model_type != "gpt_oss" else cfg.intermediate_size)
     w.add_feed_forward_length(cfg.intermediate_size)
+    if model_type == "olmoe" and cfg.clip_qkv is not None:
+        w.add_clamp_kqv(cfg.clip_qkv)
+    if model_type == "mixtral":
+        w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     rope = cfg.rope_parameters
     w.add_rope_freq_base(rope["rope_theta"])
     if model_type == "qwen3_moe":
@@ -138,6 +147,8 @@ def write_gguf(hf, path: Path, expert_types, pre: str = "qwen2", seed: int = 0, 
                 gname = LAYER[rest]
             gname = f"blk.{layer}.{gname}"
         values = t.detach().float()
+        if model_type == "mixtral" and gname.endswith(("attn_q.weight", "attn_k.weight")):
+            values = permute_qk(values, cfg.num_attention_heads if "attn_q" in gname else cfg.num_key_value_heads)
         if gname.endswith("ffn_gate_inp_shexp.weight"):
             values = values.reshape(-1)  # llama.cpp stores the shared-expert gate as a vector [D]
         qtype = dense_type if gname == "token_embd.weight" else "f32"
@@ -175,7 +186,8 @@ def _expert_weights(experts, model_type: str) -> tuple[torch.Tensor, torch.Tenso
 def dequantized_reference(hf, path: Path):
     """A copy of transformers model ``hf`` whose every tensor is what the GGUF file at ``path`` holds,
     dequantized by the gguf package (the 'dequantized safetensors' reference, for architectures
-    transformers' GGUF loader does not read)."""
+    transformers' GGUF loader does not read); llama's q/k permutation undone by transformers' own
+    LlamaTensorProcessor."""
     import gguf
 
     ref = copy.deepcopy(hf)
@@ -194,7 +206,15 @@ def dequantized_reference(hf, path: Path):
                     hf.config.model_type == "gpt_oss" else ("ffn_norm.weight" if rest == "post_attention_layernorm.weight"
                                                             else LAYER[rest])
                 gname = f"blk.{layer}.{gname}"
-            p.copy_(dense[gname].view(p.shape))
+            values = dense[gname]
+            if hf.config.model_type == "mixtral" and gname.endswith(("attn_q.weight", "attn_k.weight")):
+                from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+                cfg = hf.config
+                heads = cfg.num_attention_heads if "attn_q" in gname else cfg.num_key_value_heads
+                values = torch.from_numpy(LlamaTensorProcessor()._reverse_permute_weights(
+                    values.numpy(), cfg.num_attention_heads, heads))
+            p.copy_(values.view(p.shape))
         for layer, block in enumerate(ref.model.layers):
             if not hasattr(block.mlp, "experts"):
                 continue

@@ -9,10 +9,10 @@
   (its own type: a Q4_K_M file's down is q6_K in some layers) are copied block for block into the
   banks of the layer's format (moe/banks.py GGUF_TYPES). F32/F16/BF16 experts load unquantized.
 
-No Q/K un-permutation: llama.cpp's converter permutes attn_q/attn_k rows only for the ``llama`` family
-(LlamaModel.modify_tensors; transformers' LlamaTensorProcessor reverses it), not for qwen2moe,
-qwen3moe or gpt-oss, the architectures read here (the parity tests against transformers' own GGUF
-loader would show a permutation as other tokens).
+Q/K permutation: llama.cpp's converter permutes the rows of attn_q / attn_k for the ``llama`` family
+(LlamaModel.permute: per head, the two rotary halves interleaved, for its GGML rope), which includes
+Mixtral (architecture ``llama`` with experts); the loader reverses it (as transformers'
+LlamaTensorProcessor does). qwen2moe, qwen3moe, gpt-oss and olmoe are converted unpermuted.
 """
 
 from __future__ import annotations
@@ -44,12 +44,15 @@ class GGUFArch:
     expert_width_key: str  # the HF config key of the expert intermediate size
     norm_topk_prob: bool  # llama.cpp renormalises the top-k weights (qwen3moe yes, qwen2moe no)
     qkv_bias_key: str  # the HF config key saying q/k/v have biases (read off the tensors here)
+    permuted_qk: bool = False  # llama.cpp's converter permuted attn_q / attn_k rows (module docstring)
 
 
 ARCHS: dict[str, GGUFArch] = {
     "qwen3moe": GGUFArch("qwen3_moe", "moe_intermediate_size", True, "attention_bias"),
     "qwen2moe": GGUFArch("qwen2_moe", "moe_intermediate_size", False, "qkv_bias"),
     "gpt-oss": GGUFArch("gpt_oss", "intermediate_size", True, "attention_bias"),
+    "olmoe": GGUFArch("olmoe", "intermediate_size", False, "attention_bias"),
+    "llama": GGUFArch("mixtral", "intermediate_size", True, "attention_bias", permuted_qk=True),  # with experts only
 }
 
 # engine (Hugging Face) parameter name -> GGUF tensor name(s), first present wins; per decoder layer
@@ -65,6 +68,7 @@ LAYER_NAMES = {
     "self_attn.k_norm.weight": ("attn_k_norm.weight",),
     "self_attn.sinks": ("attn_sinks.weight",),
     "mlp.gate.weight": ("ffn_gate_inp.weight",),  # the router
+    "block_sparse_moe.gate.weight": ("ffn_gate_inp.weight",),  # Mixtral's
     "mlp.router.weight": ("ffn_gate_inp.weight",),
     "mlp.router.bias": ("ffn_gate_inp.bias",),
     **{f"mlp.{p}_proj.weight": (f"ffn_{p}.weight",) for p in ("gate", "up", "down")},  # dense layers
@@ -100,6 +104,9 @@ def gguf_config(f: GGUFFile) -> dict:
     if f.arch not in ARCHS:
         raise LoaderError(f"{f.path}: GGUF architecture {f.arch!r} is not supported (supported: {supported()})")
     a = ARCHS[f.arch]
+    if not f.get(".expert_count", 0):
+        raise LoaderError(f"{f.path}: GGUF architecture {f.arch!r} without experts (a dense model) is not supported "
+                          "(Tandem serves MoE models)")
     L = int(f.get(".block_count"))
     heads = int(f.get(".attention.head_count"))
     cfg = {
@@ -123,7 +130,15 @@ def gguf_config(f: GGUFFile) -> dict:
         "mlp_only_layers": [i for i in range(L) if expert_names(i)["gate"] not in f],
         a.qkv_bias_key: "blk.0.attn_q.bias" in f,
     }
-    cfg[a.expert_width_key] = int(f.get(".expert_feed_forward_length"))  # gpt-oss: over intermediate_size
+    # the expert width: the metadata's, else the first MoE layer's tensors' (llama.cpp writes no
+    # expert_feed_forward_length for llama / olmoe, whose feed_forward_length is the experts')
+    first = next((i for i in range(L) if i not in cfg["mlp_only_layers"]), None)
+    width = f.get(".expert_feed_forward_length", None)
+    if width is None and first is not None:
+        width = f.shape(expert_names(first)["gate"])[1]
+    cfg[a.expert_width_key] = int(width or 0)  # gpt-oss / olmoe / mixtral: over intermediate_size
+    if a.model_type == "olmoe" and f.get(".attention.clamp_kqv", None) is not None:
+        cfg["clip_qkv"] = float(f.get(".attention.clamp_kqv"))
     if a.model_type == "gpt_oss":
         cfg["sliding_window"] = int(f.get(".attention.sliding_window"))
         rope_type = f.get(".rope.scaling.type", "none")
@@ -199,6 +214,8 @@ def load_gguf(path: str | Path, device: torch.device, dtype: torch.dtype,
                 candidates = gguf_name(name)
                 src = next((n for n in candidates if n in f), candidates[0])
                 values = f.dense(src)
+                if ARCHS[f.arch].permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
+                    values = unpermute_qk(values, spec.num_heads if "q_proj" in name else spec.num_kv_heads)
                 if values.numel() != param.numel():
                     raise LoaderError(f"{f.path}: tensor {src!r} has shape {list(values.shape)}, the model needs "
                                       f"{list(param.shape)} for {name}")
@@ -212,6 +229,12 @@ def load_gguf(path: str | Path, device: torch.device, dtype: torch.dtype,
              spec.num_layers, spec.num_moe_layers, E, spec.top_k, D, I,
              ", ".join(sorted({fmt.value for fmt in formats})))
     return spec, model, banks, f
+
+
+def unpermute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's LlamaModel.permute of attn_q / attn_k [heads * Dh, D]: per head its rows were
+    (pairs of the two rotary halves) interleaved; back to the halves one after the other."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def _load_layer(f: GGUFFile, spec: ModelSpec, layer: int, banks, step: Callable[[], None]) -> None:

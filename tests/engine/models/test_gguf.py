@@ -6,12 +6,15 @@ References (independent of the engine's loader):
   the file and dequantizes every tensor with the gguf package). transformers 5.24's GGUF config mapping
   for these architectures does not read ``expert_feed_forward_length`` (it would build 768-wide experts),
   so the reference gets the model's config; its weights come from the file.
-- gpt-oss: transformers' GGUF loader does not read llama.cpp's gpt-oss expert tensors (its processor
-  expects ``ffn_*_projs``), so the reference is the transformers model with every tensor replaced by the
-  file's, dequantized by the gguf package (``dequantized_reference``).
+- gpt-oss, olmoe, mixtral: transformers' GGUF loader does not read them (gpt-oss: its processor expects
+  ``ffn_*_projs``, not llama.cpp's expert tensors; olmoe: no GGUF mapping; llama: its mapping has no
+  experts), so the reference is the transformers model with every tensor replaced by the file's,
+  dequantized by the gguf package, Mixtral's q/k permutation undone by transformers' LlamaTensorProcessor
+  (``dequantized_reference``).
 
 Expert types: qwen3moe a Q4_K_M-like mix (layer 0 gate/up q4_K + down q6_K, layer 1 all q4_K: per-layer
-formats sharing the widest rows); qwen2moe q5_K + q6_K and q8_0 (with its shared expert); gpt-oss mxfp4.
+formats sharing the widest rows); qwen2moe q5_K + q6_K and q8_0 (with its shared expert); gpt-oss mxfp4;
+olmoe q8_0 (clip_qkv); mixtral (GGUF 'llama', q/k permuted) q6_K and q5_K + q6_K.
 """
 
 from __future__ import annotations
@@ -38,10 +41,13 @@ LAYER_TYPES = {  # per MoE layer: (gate/up, down) GGUF types written, and the ba
     "qwen3_moe": [(("q4_K", "q6_K"), ExpertFormat.Q4_K_Q6_K), (("q4_K", "q4_K"), ExpertFormat.Q4_K)],
     "qwen2_moe": [(("q5_K", "q6_K"), ExpertFormat.Q5_K_Q6_K), (("q8_0", "q8_0"), ExpertFormat.Q8_0)],
     "gpt_oss": [(("mxfp4_gguf", "mxfp4_gguf"), ExpertFormat.MXFP4_GGUF)] * 3,
+    "olmoe": [(("q8_0", "q8_0"), ExpertFormat.Q8_0)] * 2,
+    "mixtral": [(("q6_K", "q6_K"), ExpertFormat.Q6_K), (("q5_K", "q6_K"), ExpertFormat.Q5_K_Q6_K)],
 }
+DEQUANTIZED_REFERENCE = ("gpt_oss", "olmoe", "mixtral")  # archs transformers' GGUF loader does not read
 
 # MoE layers whose bank rows are wider than their types need (another layer's type is wider)
-PADDED = {"qwen3_moe": {1}, "qwen2_moe": {0}, "gpt_oss": set()}
+PADDED = {"qwen3_moe": {1}, "qwen2_moe": {0}, "gpt_oss": set(), "olmoe": set(), "mixtral": {0}}
 
 
 def _vocab() -> int:
@@ -58,7 +64,7 @@ def _vocab() -> int:
 
 
 def _configs(vocab: int) -> dict:
-    from transformers import GptOssConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import GptOssConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     # K types need D and I multiples of 256 (one super-block); MXFP4 of 32
     common = dict(vocab_size=vocab, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
@@ -76,6 +82,12 @@ def _configs(vocab: int) -> dict:
                                 rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
                                                  "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                                  "original_max_position_embeddings": 4096}),
+        # clip_qkv 1: the clamp bites at these weight scales (llama.cpp: olmoe.attention.clamp_kqv)
+        "olmoe": OlmoeConfig(**common, hidden_size=64, num_hidden_layers=2, num_experts=8, intermediate_size=64,
+                             norm_topk_prob=False, clip_qkv=1.0, eos_token_id=2, pad_token_id=0),
+        # GGUF architecture 'llama' with experts; attn_q / attn_k permuted in the file as llama.cpp does
+        "mixtral": MixtralConfig(**common, hidden_size=256, num_hidden_layers=2, num_local_experts=8,
+                                 intermediate_size=256, sliding_window=None),
     }
 
 
@@ -88,7 +100,10 @@ class GGUFCase:
 def cases(tmp_path_factory) -> dict[str, GGUFCase]:
     from transformers import AutoModelForCausalLM, GptOssForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
-    classes = {"qwen3_moe": Qwen3MoeForCausalLM, "qwen2_moe": Qwen2MoeForCausalLM, "gpt_oss": GptOssForCausalLM}
+    from transformers import MixtralForCausalLM, OlmoeForCausalLM
+
+    classes = {"qwen3_moe": Qwen3MoeForCausalLM, "qwen2_moe": Qwen2MoeForCausalLM, "gpt_oss": GptOssForCausalLM,
+               "olmoe": OlmoeForCausalLM, "mixtral": MixtralForCausalLM}
     out = {}
     for seed, (arch, cfg) in enumerate(_configs(_vocab()).items()):
         cfg._attn_implementation = "eager"
@@ -98,7 +113,7 @@ def cases(tmp_path_factory) -> dict[str, GGUFCase]:
         d = tmp_path_factory.mktemp(f"gguf-{arch}")
         path = write_gguf(hf, d / f"tiny-{arch}.gguf", [t for t, _ in LAYER_TYPES[arch]], seed=seed,
                           dense_type="q8_0" if arch == "qwen3_moe" else "f32")
-        if arch == "gpt_oss":
+        if arch in DEQUANTIZED_REFERENCE:
             ref = dequantized_reference(hf, path)
         else:
             ref = AutoModelForCausalLM.from_pretrained(str(d), gguf_file=path.name, config=cfg, dtype=torch.float32).eval()
@@ -121,14 +136,16 @@ def reference_tokens(cases):
 def test_spec_from_metadata_matches_config(arch, cases, loaded):
     cfg, spec = cases[arch].hf.config, loaded[arch].spec
     assert spec.model_type == arch
-    E = cfg.num_local_experts if arch == "gpt_oss" else cfg.num_experts
+    E = getattr(cfg, "num_local_experts", None) or cfg.num_experts
     assert (spec.num_layers, spec.num_experts, spec.top_k) == (cfg.num_hidden_layers, E, cfg.num_experts_per_tok)
     assert (spec.hidden_size, spec.vocab_size, spec.num_heads, spec.num_kv_heads) == (
         cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads, cfg.num_key_value_heads)
     assert spec.head_dim == getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    assert spec.moe_intermediate_size == (cfg.intermediate_size if arch == "gpt_oss" else cfg.moe_intermediate_size)
-    assert spec.renormalize == (arch != "qwen2_moe")  # llama.cpp: qwen3moe and gpt-oss renormalise, qwen2moe not
-    assert spec.qkv_bias == (arch != "qwen3_moe")
+    assert spec.moe_intermediate_size == getattr(cfg, "moe_intermediate_size", cfg.intermediate_size)
+    assert spec.renormalize == (arch not in ("qwen2_moe", "olmoe"))  # as llama.cpp's graphs (and the HF configs)
+    assert spec.qkv_bias == (arch in ("qwen2_moe", "gpt_oss"))
+    if arch == "olmoe":
+        assert spec.clip_qkv == 1.0
     if arch == "qwen2_moe":
         assert spec.shared_expert_intermediate_size == cfg.shared_expert_intermediate_size
     if arch == "gpt_oss":
@@ -288,8 +305,8 @@ def _bad_files(src: Path, d: Path) -> dict[str, tuple[Path, str]]:
     not_gguf = d / "notgguf.gguf"
     not_gguf.write_bytes(b"GGML" + bytes(100))
     return {
-        "arch": (_rewrite(src, d / "llama.gguf", arch="llama"),
-                 r"GGUF architecture 'llama' is not supported \(supported: architectures qwen3moe, qwen2moe, gpt-oss"),
+        "arch": (_rewrite(src, d / "deepseek2.gguf", arch="deepseek2"),
+                 r"GGUF architecture 'deepseek2' is not supported \(supported: architectures qwen3moe, qwen2moe, gpt-oss"),
         "type": (_rewrite(src, d / "q4_0.gguf", retype={f"blk.0.ffn_{p}_exps.weight": Q4_0 for p in ("gate", "up", "down")}),
                  r"expert tensor 'blk\.0\.ffn_gate_exps\.weight' has type Q4_0, which the engine does not hold "
                  r"\(supported: .*Q4_K, Q5_K, Q6_K, Q8_0, MXFP4"),
@@ -318,7 +335,7 @@ def test_serve_refuses_a_bad_file_in_one_line(cases, tmp_path):
                        text=True, timeout=120, cwd=Path(__file__).resolve().parents[3])
     assert r.returncode == 2
     lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "GGUF architecture 'llama' is not supported" in lines[0], r.stderr
+    assert len(lines) == 1 and "GGUF architecture 'deepseek2' is not supported" in lines[0], r.stderr
 
 
 def test_preflight_counts_experts_in_their_gguf_type(cases, monkeypatch):
