@@ -129,12 +129,12 @@ class DecodeKernel:
         scales = (gate_up_scale, down_scale)
         R = topk_ids.numel()
         check_banks(fmt, gate_up, down, gate_up_scale, down_scale)  # the kernels tell formats by dtype: agree
-        types = GGUF_TYPES.get(ExpertFormat(fmt))  # GGUF: (gate_up's, down's) block type, told to the kernels
-        # the grouped GEMM tells a GGUF bank's type by its row bytes: not for a layer whose rows are wider than
+        types = GGUF_TYPES.get(ExpertFormat(fmt))  # GGUF: (gate_up's, down's) block type
+        # the Triton kernels tell a GGUF bank's type by its row bytes: not for a layer whose rows are wider than
         # its types need (a GGUF file's layers of different types share the widest row), which takes torch
-        gemm_ok = types is None or (gate_up.shape[-1] == row_bytes(types[0], down.shape[-2])
-                                    and down.shape[-1] == row_bytes(types[1], gate_up.shape[-2] // 2))
-        if self.kind == "triton" and (R <= GEMV_MAX_ROUTES or gemm_ok):
+        kernels_read_it = types is None or (gate_up.shape[-1] == row_bytes(types[0], down.shape[-2])
+                                            and down.shape[-1] == row_bytes(types[1], gate_up.shape[-2] // 2))
+        if self.kind == "triton" and kernels_read_it:
             try:
                 if self._gemm is None:
                     from kernels.moe_gemm import moe_gemm
@@ -142,8 +142,7 @@ class DecodeKernel:
 
                     self._gemv, self._gemm = moe_gemv, moe_gemm
                 if R <= GEMV_MAX_ROUTES:
-                    return self._gemv(hidden, topk_ids, topk_weights, gate_up, down, *scales, act=act, bias=bias,
-                                      gguf_types=types)
+                    return self._gemv(hidden, topk_ids, topk_weights, gate_up, down, *scales, act=act, bias=bias)
                 return self._gemm(hidden, topk_ids, topk_weights, gate_up, down, act, bias, *scales)
             except Exception as e:  # noqa: BLE001 - keep serving; stats() shows the kernel in use
                 if torch.cuda.is_current_stream_capturing():

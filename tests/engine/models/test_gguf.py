@@ -47,7 +47,7 @@ LAYER_TYPES = {  # per MoE layer: (gate/up, down) GGUF types written, and the ba
 DEQUANTIZED_REFERENCE = ("gpt_oss", "olmoe", "mixtral")  # archs transformers' GGUF loader does not read
 
 # MoE layers whose bank rows are wider than their types need (another layer's type is wider)
-PADDED = {"qwen3_moe": {1}, "qwen2_moe": {0}, "gpt_oss": set(), "olmoe": set(), "mixtral": {0}}
+PADDED = {"qwen3_moe": {1}, "qwen2_moe": {0}, "gpt_oss": set(), "olmoe": set(), "mixtral": {1}}
 
 
 def _vocab() -> int:
@@ -421,9 +421,9 @@ def test_benchmark_writer_round_trips_the_synthetic_model(experts, split, tmp_pa
 @pytest.mark.parametrize("backend", ["resident", "offload", "hybrid", "auto"])
 @pytest.mark.parametrize("arch", list(LAYER_TYPES))
 def test_cuda_decode_and_its_graph_equal_transformers(arch, backend, cases, reference_tokens):
-    """On CUDA (fp32) the experts stay in their GGUF blocks on the device (the Triton GEMV told the types; the
-    grouped GEMM for unpadded layers): greedy tokens equal the reference's, eager and replayed from the
-    runner's captured decode graph, with no fallback to torch."""
+    """On CUDA (fp32) the experts stay in their GGUF blocks on the device (the Triton GEMV / grouped GEMM on the
+    layers whose rows fit their types, torch dequantizing the padded ones): greedy tokens equal the
+    reference's, eager and replayed from the runner's captured decode graph, with no fallback to torch."""
     from services.engine.models import fused
     from services.engine.moe.resident import moe_decode
     from tests.helpers import graph_greedy
@@ -461,3 +461,34 @@ def test_cuda_bfloat16_q4_K_M_synthetic_serves_every_backend():
     ref = out["resident"][0]
     assert out["offload"][1] == out["resident"][1]
     assert (out["hybrid"][0] - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "olmoe"])
+def test_triton_code_paths_equal_transformers(arch, cases, reference_tokens, monkeypatch):
+    """What the CUDA model runs, on CPU tensors (TRITON_INTERPRET): the MoE GEMV / grouped GEMM on the GGUF
+    banks (mxfp4_gguf with gpt-oss's biases and clamped SwiGLU; q8_0) and every fused kernel: greedy tokens
+    equal the reference's, no fallback. The CPU twin of test_cuda_decode_and_its_graph_equal_transformers."""
+    from kernels.moe_gemm import moe_gemm
+    from kernels.moe_gemv import moe_gemv
+    from services.engine.models import fused
+    from services.engine.moe import resident
+
+    kernel = resident.DecodeKernel()
+    calls = {"gemv": 0, "gemm": 0}
+
+    def counted(name, fn):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return run
+
+    kernel._gemv, kernel._gemm = counted("gemv", moe_gemv), counted("gemm", moe_gemm)
+    monkeypatch.setattr(resident, "moe_compute", lambda *args, **kwargs: kernel(*args, **kwargs))  # as on CUDA
+    monkeypatch.setattr(fused, "FORCE", True)
+    monkeypatch.setattr(fused, "_broken", set())
+    lm = load_model(EngineConfig(model=str(cases[arch].path)))
+    ours = greedy_generate(lm, PROMPT, 8)
+    assert kernel.kind == "triton" and not fused._broken, f"fell back to torch: {fused._broken}"
+    L = lm.spec.num_moe_layers
+    assert calls == {"gemm": L, "gemv": 7 * L}  # the prefill's 22 routes on the GEMM, each decode step on the GEMV
+    assert ours == reference_tokens[arch][:8]
