@@ -81,8 +81,8 @@ PLAIN_TYPES = ("F32", "F16", "BF16")
 
 
 def supported() -> str:
-    return (f"architectures {', '.join(ARCHS)}; expert types {', '.join(EXPERT_TYPES)} "
-            f"(or {'/'.join(PLAIN_TYPES)})")
+    archs = ", ".join(name if name != "llama" else "llama with experts (Mixtral)" for name in ARCHS)
+    return f"architectures {archs}; expert types {', '.join(EXPERT_TYPES)} (or {'/'.join(PLAIN_TYPES)})"
 
 
 def gguf_name(param: str) -> tuple[str, ...]:
