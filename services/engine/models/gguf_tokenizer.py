@@ -1,13 +1,17 @@
 """The tokenizer of a GGUF file: ``tokenizer.ggml.*`` metadata -> tokenizer.json, tokenizer_config.json and
 generation_config.json (what the engine and the gateway read from a checkpoint directory).
 
-Byte-level BPE only (``tokenizer.ggml.model == "gpt2"``: Qwen, gpt-oss, Llama 3, ...). Built like
-transformers' GGUF converter (integrations/gguf/gguf_tokenizer_mapping.py: byte_level_tokenizer,
-add_gguf_special_tokens, set_split_regex), with the ``tokenizers`` library alone (transformers is not an
-engine dependency): the vocabulary and merges as stored, tokens of type CONTROL (3) added as special tokens
-and USER_DEFINED (4) as plain added tokens (``<think>``), and the pre-tokenizer split of
-``tokenizer.ggml.pre`` (llama.cpp's name for the regex the merges were learned with). The tests check
-the ids against transformers' own GGUF tokenizer.
+Two kinds, built like transformers' GGUF converter (integrations/gguf/gguf_tokenizer_mapping.py) with the
+``tokenizers`` library alone (transformers is not an engine dependency):
+- byte-level BPE (``tokenizer.ggml.model == "gpt2"``: Qwen, gpt-oss, Llama 3, ...; byte_level_tokenizer,
+  set_split_regex): the vocabulary and merges as stored, the pre-tokenizer split of ``tokenizer.ggml.pre``
+  (llama.cpp's name for the regex the merges were learned with);
+- SentencePiece BPE (``"llama"``: Mixtral, Mistral, Llama 2; sentencepiece_tokenizer + LlamaTokenizer): the
+  vocabulary with byte fallback, the merges recovered from the token scores (transformers'
+  generate_merges), Metaspace ("▁", prefixed to the first word).
+In both, tokens of type CONTROL (3) are added as special tokens and USER_DEFINED (4) as plain added tokens
+(``<think>``), as add_gguf_special_tokens does. The tests check the ids against transformers' own GGUF
+tokenizer.
 """
 
 from __future__ import annotations
@@ -50,26 +54,63 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
+def _added(tokens: list[str], types: list[int], keep=lambda t: True) -> list[dict]:
+    """CONTROL tokens as special added tokens, USER_DEFINED ones as plain added tokens."""
+    return [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+             "special": ty == CONTROL}
+            for i, (t, ty) in enumerate(zip(tokens, types)) if (ty == CONTROL and keep(t)) or ty == USER_DEFINED]
+
+
+def _spm_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[list[str]]:
+    """The merges a SentencePiece BPE vocabulary implies (transformers' generate_merges): every split of a
+    token into two vocabulary tokens, the higher-scored merged token first."""
+    merges = []
+    for token, score in scores.items():
+        local = [(token[:k], token[k:], score) for k in range(1, len(token))
+                 if token[:k] in vocab and token[k:] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [[a, b] for a, b, _ in merges]
+
+
+def _spm_doc(f: GGUFFile, tokens: list[str], types: list[int]) -> dict:
+    vocab = {t: i for i, t in enumerate(tokens)}
+    scores = f.get("tokenizer.ggml.scores", None) or [0.0] * len(tokens)
+    unk = f.get("tokenizer.ggml.unknown_token_id", None)
+    metaspace = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False}
+    return {
+        "normalizer": None, "pre_tokenizer": metaspace, "post_processor": None,
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"},
+            {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "added_tokens": _added(tokens, types),
+        "model": {"type": "BPE", "dropout": None, "unk_token": tokens[unk] if unk is not None else None,
+                  "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True,
+                  "byte_fallback": True, "ignore_merges": False, "vocab": vocab,
+                  "merges": _spm_merges(vocab, dict(zip(tokens, scores)))},
+    }
+
+
 def tokenizer_json(f: GGUFFile) -> str:
-    """tokenizer.json text of the file's tokenizer (LoaderError for one that is not byte-level BPE or whose
-    pre-tokenizer is unknown)."""
+    """tokenizer.json text of the file's tokenizer (LoaderError for a kind that is not supported or a
+    pre-tokenizer that is unknown)."""
     model = f.get("tokenizer.ggml.model", None)
-    if model != "gpt2":
+    if model not in ("gpt2", "llama"):
         raise LoaderError(f"{f.path}: tokenizer.ggml.model {model!r} is not supported (supported: 'gpt2', "
-                          "byte-level BPE)")
+                          "byte-level BPE; 'llama', SentencePiece BPE)")
+    tokens = f.get("tokenizer.ggml.tokens")
+    types = f.get("tokenizer.ggml.token_type", None) or [1] * len(tokens)
+    if model == "llama":
+        return json.dumps({"version": "1.0", "truncation": None, "padding": None, **_spm_doc(f, tokens, types)},
+                          ensure_ascii=False)
     pre = f.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_SPLITS:
         raise LoaderError(f"{f.path}: tokenizer.ggml.pre {pre!r} is not supported (supported: {', '.join(PRE_SPLITS)})")
-    tokens = f.get("tokenizer.ggml.tokens")
-    types = f.get("tokenizer.ggml.token_type", None) or [1] * len(tokens)
     spell = _bytes_to_unicode()
     alphabet = set(spell.values())
     vocab = {t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)}
-    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-              "special": ty == CONTROL}
-             for i, (t, ty) in enumerate(zip(tokens, types))
-             # a CONTROL token outside the byte alphabet is a llama.cpp mislabel (transformers skips it too)
-             if (ty == CONTROL and set(t) <= alphabet) or ty == USER_DEFINED]
+    # a CONTROL token outside the byte alphabet is a llama.cpp mislabel (transformers skips it too)
+    added = _added(tokens, types, keep=lambda t: set(t) <= alphabet)
     split = PRE_SPLITS[pre]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": split is None}
     pre_tok = byte_level if split is None else {"type": "Sequence", "pretokenizers": [

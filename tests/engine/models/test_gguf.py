@@ -492,3 +492,50 @@ def test_triton_code_paths_equal_transformers(arch, cases, reference_tokens, mon
     L = lm.spec.num_moe_layers
     assert calls == {"gemm": L, "gemv": 7 * L}  # the prefill's 22 routes on the GEMM, each decode step on the GEMV
     assert ours == reference_tokens[arch][:8]
+
+
+def test_sentencepiece_tokenizer_matches_transformers_gguf_tokenizer(tmp_path):
+    """tokenizer.ggml.model 'llama' (Mixtral's SentencePiece BPE: byte fallback, merges recovered from the
+    scores, Metaspace): the same ids as transformers' GGUF tokenizer, and decoding gives the text back."""
+    import gguf
+    import numpy as np
+    from tokenizers import SentencePieceBPETokenizer
+    from transformers import AutoTokenizer
+
+    from services.common.tokenizer import Tokenizer
+    from services.engine.models.demo import _CORPUS
+    from services.engine.models.gguf_reader import GGUFFile
+    from services.engine.models.gguf_tokenizer import write_tokenizer_files as write_gguf_tokenizer
+
+    sp = SentencePieceBPETokenizer()
+    sp.train_from_iterator([_CORPUS] * 4, vocab_size=400, min_frequency=2, show_progress=False)
+    trained = sp.get_vocab()
+    merges = [m if isinstance(m, str) else " ".join(m) for m in __import__("json").loads(sp.to_str())["model"]["merges"]]
+    rank = {"".join(m.split(" ")): i for i, m in enumerate(merges)}
+    # llama's layout: <unk> <s> </s>, the 256 byte tokens, then the pieces (scores: earlier merges higher)
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    tokens += [t for t, _ in sorted(trained.items(), key=lambda kv: kv[1]) if t not in tokens]
+    types = [2, 3, 3, *[6] * 256, *[1] * (len(tokens) - 259)]
+    scores = [0.0] * 259 + [-float(rank.get(t, 0)) if t in rank else 0.0 for t in tokens[259:]]
+    w = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    write_gguf_tokenizer(GGUFFile(tmp_path / "spm.gguf"), tmp_path / "ours")
+    ours = Tokenizer.from_dir(tmp_path / "ours")
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    for text in ["Hello world", "the experts  live in\nhost memory", "émoji 🙂 ü", " leading space", "</s>x", ""]:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text, add_special_tokens=False), text
+        assert ours.decode(ids) == theirs.decode(ids)
+    assert ours.eos_token_ids == [2]
+    assert len(ours.encode("the experts live in host memory")) < 12  # merges applied, not bytes / characters
