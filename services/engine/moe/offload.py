@@ -49,7 +49,6 @@ class OffloadBackend:
         # per MoE layer, the slots' scales and format (fp8_block / mxfp4 / GGUF): a GGUF file's layers may
         # differ in type (a Q4_K_M file's down: q6_K in some layers), the slots being wide enough for any
         self.layer_scales = [quant_kwargs(layer.format, slots) for layer in banks.layers]
-        self.scales = self.layer_scales[0]  # warm-up: layer 0's
         self.top_k = ctx.top_k
         self._check_batch_invariant(ctx.config)
 
@@ -91,8 +90,9 @@ class OffloadBackend:
         """Compile the expert kernels of every step size on the slot banks before serving (DecodeKernel.warm;
         reads whatever the slots hold, writes nothing)."""
         slots = self.cache.slot_banks
-        return moe_decode.warm(hidden, self.top_k, slots["gate_up"], slots["down"], self.act, self.bias,
-                               **self.scales)
+        distinct = {kw.get("fmt"): kw for kw in self.layer_scales}.values()  # a GGUF file's layer formats: each
+        return sum(moe_decode.warm(hidden, self.top_k, slots["gate_up"], slots["down"], self.act, self.bias, **kw)
+                   for kw in distinct)
 
     def observe_decode_step(self, seconds: float, tokens: int) -> bool:
         """After each decode step (the engine; hybrid calls it too): the peer tier's placement refresh.

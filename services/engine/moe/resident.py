@@ -227,11 +227,9 @@ class ResidentBackend:
 
     def warm(self, hidden: torch.Tensor) -> int:
         """Compile the expert kernels of every step size before serving (DecodeKernel.warm)."""
-        banks = self.layers[0] if self.layers else None
-        if banks is None:
-            return 0
-        return self.decode.warm(hidden, self.top_k, banks["gate_up"], banks["down"], self.act, self.bias[0],
-                                **quant_kwargs(self.formats[0], banks))
+        first = {fmt: i for i, fmt in reversed(list(enumerate(self.formats)))}  # a layer of each format (GGUF: several)
+        return sum(self.decode.warm(hidden, self.top_k, self.layers[i]["gate_up"], self.layers[i]["down"], self.act,
+                                    self.bias[i], **quant_kwargs(fmt, self.layers[i])) for fmt, i in first.items())
 
     def stats(self) -> dict:
         return {"backend": MoEBackend.RESIDENT.value, "expert_bytes_on_device": self.nbytes,
