@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.moe.gguf_quant import KERNEL_CODE, GGUFType, row_bytes, type_of_row
+from services.engine.moe.gguf_quant import KERNEL_CODE, GGUFType, check_bank
 
 # constexpr QT of the kernels (gguf_quant.KERNEL_CODE); 0 = not a GGUF bank
 Q4_K, Q5_K, Q6_K, Q8_0, MXFP4_GGUF = (KERNEL_CODE[t] for t in (GGUFType.Q4_K, GGUFType.Q5_K, GGUFType.Q6_K,
@@ -82,22 +82,22 @@ def gguf_values(row_ptr, k, mask, QT: tl.constexpr):
         return (_f16(base, mask) * sc) * q.to(tl.float32) - _f16(base + 2, mask) * m
 
 
-def gguf_geometry(what: str, hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[int, int, int, int]:
-    """GGUF banks gate_up uint8 [E, 2I, row_bytes(gate_up type, D)] and down uint8 [E, D, row_bytes(down
-    type, I)] beside hidden [T, D] -> (D, I, gate_up's QT, down's QT); ValueError naming the shapes when
-    no GGUF type fits (the type is told by the row bytes: gguf_quant.type_of_row)."""
+def gguf_geometry(what: str, hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                  gguf_types) -> tuple[int, int, int, int]:
+    """GGUF banks gate_up uint8 [E, 2I, >= row_bytes(gate_up type, D)] and down uint8 [E, D, >= row_bytes(down
+    type, I)] beside hidden [T, D], ``gguf_types`` = (gate_up's type, down's type) -> (D, I, gate_up's QT,
+    down's QT). Rows may be wider than their type needs (padded slots: gguf_quant.check_bank); the kernels
+    step rows by the tensor's stride. ValueError naming the shapes otherwise."""
+    gt, dt = (GGUFType(t) for t in gguf_types)
     D = hidden.shape[-1]
-    E, two_i = gate_up.shape[:2]
+    E, two_i = gate_up.shape[0], gate_up.shape[1]
     I = two_i // 2
     try:
-        gt = type_of_row(gate_up.shape[2], D)
-        dt = type_of_row(down.shape[2], I)
-        if tuple(down.shape[:2]) != (E, D) or two_i % 2:
-            raise ValueError(f"down {tuple(down.shape)} does not match [E, D, row_bytes(I)] = [{E}, {D}, "
-                             f"{row_bytes(dt, I)}]")
+        check_bank("gate_up", gate_up, gt, 2 * I, D)
+        check_bank("down", down, dt, D, I)
+        if down.shape[0] != E or two_i % 2:
+            raise ValueError(f"{E} experts of gate_up, {down.shape[0]} of down; {two_i} gate_up rows")
     except ValueError as e:
-        raise ValueError(f"{what}: GGUF banks gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)} with "
-                         f"hidden {tuple(hidden.shape)} are not [E, 2I, row_bytes(D)], [E, D, row_bytes(I)]: {e}") from e
-    if gate_up.stride(2) != 1 or down.stride(2) != 1:
-        raise ValueError(f"{what}: gate_up and down need a contiguous last dimension")
+        raise ValueError(f"{what}: GGUF banks gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)} with hidden "
+                         f"{tuple(hidden.shape)} are not [E, 2I, row_bytes(D)], [E, D, row_bytes(I)]: {e}") from e
     return D, I, KERNEL_CODE[gt], KERNEL_CODE[dt]

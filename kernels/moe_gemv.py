@@ -33,8 +33,9 @@ a byte meet x's even and odd elements, so nothing is interleaved. The reference 
 + moe_reference (tests/kernels/test_moe_gemv_gpt_oss.py, which also checks hand-computed values).
 
 GGUF experts (q4_K, q5_K, q6_K, q8_0, mxfp4_gguf: services/engine/moe/gguf_quant.py): uint8 banks of the
-file's blocks, no scale banks; the type of each bank is told by its row bytes (gguf_quant.type_of_row), so
-gate_up and down may differ (Q4_K_M files: q6_K down). kernels/gguf_dequant.gguf_values decodes each
+file's blocks, no scale banks; the caller names each bank's type (``gguf_types``: gate_up and down may
+differ, Q4_K_M files hold q6_K down) and rows may be wider than the type needs (slots shared by layers of
+different types). kernels/gguf_dequant.gguf_values decodes each
 [rows, BLOCK_K] tile in registers (constexpr QT per bank); the reference is gguf_quant.dequantize +
 moe_reference (tests/kernels/test_moe_gguf.py).
 """
@@ -247,20 +248,23 @@ def _check_scales(gate_up_scale, down_scale, want_gu, want_d, what: str, layout:
 def moe_gemv(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
              gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
              down_scale: torch.Tensor | None = None, act=None,
-             bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+             bias: tuple[torch.Tensor, torch.Tensor] | None = None, gguf_types=None) -> torch.Tensor:
     """hidden [T, D] · topk_ids [T, A] int (-1 = skip) · topk_weights [T, A] · gate_up [E, 2I, D] ·
     down [E, D, I] -> [T, D] in hidden's dtype (fp32 accumulation). Same contract as moe_reference.
     FP8 banks: gate_up and down float8_e4m3fn with gate_up_scale [E, 2*ceil(I/128), ceil(D/128)] and
     down_scale [E, ceil(D/128), ceil(I/128)] fp32 (services/engine/moe/fp8.py).
     MXFP4 banks (told apart by their uint8 weights): gate_up [E, 2I, D/2] and down [E, D, I/2] packed
     e2m1, gate_up_scale [E, 2I, D/32] and down_scale [E, D, I/32] uint8 E8M0 (D and I multiples of 32).
-    GGUF banks (uint8 without scales): gate_up [E, 2I, row_bytes(D)], down [E, D, row_bytes(I)] in the
-    file's blocks, each bank's type told by its row bytes (gguf_quant.type_of_row; the two may differ).
+    GGUF banks (``gguf_types`` = (gate_up's, down's) GGUFType or its value, e.g. ("q4_K", "q6_K"); no
+    scales): gate_up [E, 2I, >= row_bytes(D)], down [E, D, >= row_bytes(I)] uint8 in the file's blocks.
     gpt-oss experts: ``act`` a ClampedSwiGLU (its alpha and limit are read), ``bias`` (gate_up_bias [E, 2I],
     down_bias [E, D])."""
     T, A = topk_ids.shape
-    if gate_up.dtype == torch.uint8 and gate_up_scale is None:
-        return _moe_gemv_gguf(hidden, topk_ids, topk_weights, gate_up, down, act, bias)
+    if gguf_types is not None:
+        return _moe_gemv_gguf(hidden, topk_ids, topk_weights, gate_up, down, act, bias, gguf_types)
+    if gate_up.dtype == torch.uint8 and gate_up_scale is None:  # never guessed from the shape: rows may be padded
+        raise ValueError("moe_gemv: uint8 banks without scales are GGUF banks: pass gguf_types (MXFP4 banks: "
+                         "their gate_up_scale / down_scale)")
     mx = gate_up.dtype == torch.uint8
     E, two_i = gate_up.shape[:2]
     I = two_i // 2
@@ -277,7 +281,7 @@ def moe_gemv(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     if mx:
         if D % MX_BLOCK or I % MX_BLOCK or gate_up_scale is None:
             raise ValueError(f"moe_gemv: MXFP4 banks need D ({D}) and I ({I}) multiples of {MX_BLOCK} and "
-                             "gate_up_scale / down_scale")
+                             "gate_up_scale / down_scale (GGUF banks: gguf_types)")
         _check_scales(gate_up_scale, down_scale, (E, 2 * I, D // MX_BLOCK), (E, D, I // MX_BLOCK), "mxfp4",
                       "[E, 2I, D/32] and [E, D, I/32]")
         quant = MXFP4
@@ -325,10 +329,10 @@ def _combine(y: torch.Tensor, T: int, A: int, D: int, dtype: torch.dtype) -> tor
     return out
 
 
-def _moe_gemv_gguf(hidden, topk_ids, topk_weights, gate_up, down, act, bias) -> torch.Tensor:
+def _moe_gemv_gguf(hidden, topk_ids, topk_weights, gate_up, down, act, bias, gguf_types) -> torch.Tensor:
     """moe_gemv on GGUF banks (its docstring): the same three kernels with QUANT=GGUF and each bank's QT."""
     T, A = topk_ids.shape
-    D, I, gt, dt = gguf_geometry("moe_gemv", hidden, gate_up, down)
+    D, I, gt, dt = gguf_geometry("moe_gemv", hidden, gate_up, down, gguf_types)
     E = gate_up.shape[0]
     if hidden.shape != (T, D) or topk_weights.shape != (T, A):
         raise ValueError(f"moe_gemv: shapes hidden {tuple(hidden.shape)}, topk_ids {tuple(topk_ids.shape)}, "

@@ -30,6 +30,7 @@ import torch
 from services.common.logging import get_logger
 from services.common.settings import env
 from services.engine.moe.banks import ExpertBanks, LayerBanks
+from services.engine.moe.gguf_quant import KERNEL_CODE, format_types
 
 log = get_logger("engine.cpu_executor")
 
@@ -255,6 +256,11 @@ class CpuExecutor:
         self._impl = ext.Executor(self.worker_cpus, n, spin_us, isa)
         self._tids = _worker_tids() - others  # this pool's workers (named before the constructor returns)
         self.banks = banks
+        gguf = [(lb.tensors["gate_up"], format_types(lb.format)) for lb in banks.layers]
+        gguf = [(gu, types) for gu, types in gguf if types is not None]
+        if gguf:  # GGUF layers: the types of gate_up and down per layer (rows may be padded: never guessed)
+            self._impl.set_gguf_layers([gu for gu, _ in gguf], [KERNEL_CODE[t[0]] for _, t in gguf],
+                                       [KERNEL_CODE[t[1]] for _, t in gguf])
         if not banks.plain_swiglu:  # gpt-oss: expert biases and the clamped SwiGLU, set once per layer bank
             act = banks.activation
             self._impl.set_expert_math([lb.tensors["gate_up"] for lb in banks.layers],

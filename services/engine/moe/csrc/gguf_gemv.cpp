@@ -2,7 +2,7 @@
 // layouts are described in services/engine/moe/gguf_quant.py, whose torch `dequantize` is the reference.
 //
 // Y[t][r] (+)= dot(W[r], X[t]) as in gemv.h, with W's rows made of the file's blocks: row r at
-// W + r * gguf_row_bytes(type, ldw). Each block is decoded once into 256 (or 32) fp32 values on the stack
+// W + r * ldb bytes (rows may be padded past their blocks). Each block is decoded once into 256 (or 32) fp32 values on the stack
 // (plain loops over a sub-block with its scale in a register, which the compiler vectorizes inside the
 // AVX-512 kernel), then multiplied with every token's inputs: at bs=1 the decode is the work, the block
 // bytes stream once. X is fp32 in its natural order (no pair split: the decode puts values in place).
@@ -147,7 +147,7 @@ constexpr int kTok = 8;  // tokens per pass over a row's blocks (their accumulat
 namespace scalar {
 void gemv_gguf(const GemvArgs& a) {
   const int type = a.gguf, qk = kGgufQk[type], nb = a.K / qk;
-  const int64_t rb = gguf_row_bytes(type, a.ldw), bb = kGgufBytes[type];
+  const int64_t rb = a.ldb, bb = kGgufBytes[type];
   alignas(64) float v[256];
   for (int r = 0; r < a.nrows; ++r) {
     const uint8_t* row = static_cast<const uint8_t*>(a.W) + r * rb;
@@ -174,7 +174,7 @@ void gemv_gguf(const GemvArgs& a) {
 namespace avx512 {
 void gemv_gguf(const GemvArgs& a) {
   const int type = a.gguf, qk = kGgufQk[type], nb = a.K / qk;
-  const int64_t rb = gguf_row_bytes(type, a.ldw), bb = kGgufBytes[type];
+  const int64_t rb = a.ldb, bb = kGgufBytes[type];
   alignas(64) float v[256];
   for (int r = 0; r < a.nrows; ++r) {
     const uint8_t* row = static_cast<const uint8_t*>(a.W) + r * rb;
