@@ -35,9 +35,9 @@ a byte meet x's even and odd elements, so nothing is interleaved. The reference 
 GGUF experts (q4_K, q5_K, q6_K, q8_0, mxfp4_gguf: services/engine/moe/gguf_quant.py): uint8 banks of the
 file's blocks, no scale banks; the caller names each bank's type (``gguf_types``: gate_up and down may
 differ, Q4_K_M files hold q6_K down) and rows may be wider than the type needs (slots shared by layers of
-different types). kernels/gguf_dequant.gguf_values decodes each
-[rows, BLOCK_K] tile in registers (constexpr QT per bank); the reference is gguf_quant.dequantize +
-moe_reference (tests/kernels/test_moe_gguf.py).
+different types). kernels/gguf_dequant.gguf_row_dot decodes each row's blocks in registers, every quant
+byte loaded once and each sub-block's scale applied to its partial sum (constexpr QT per bank); the
+reference is gguf_quant.dequantize + moe_reference (tests/kernels/test_moe_gguf.py).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gguf_dequant import gguf_geometry, gguf_values
+from kernels.gguf_dequant import gguf_geometry, gguf_row_dot
 
 # Kernel 1 programs: (route, BLOCK_I rows of gate and of up). Qwen3-30B-A3B (I=768, D=2048), R=8:
 # 384 programs of 128 KiB of bf16 weights each — enough in flight to stream HBM on 132 SMs.
@@ -136,15 +136,10 @@ def _gate_up_act_kernel(
                                 D // 2, BLOCK_I, BLOCK_K // 2)
             acc_u = _mx_row_dot(base, sbase, offs_i + I, mask_i, stride_gr, stride_gsr, x_ptr + t * stride_x,
                                 D // 2, BLOCK_I, BLOCK_K // 2)
-        elif QUANT == 3:  # GGUF: gate's rows and up's (I rows further) decoded per [BLOCK_I, BLOCK_K] tile
-            for k0 in range(0, D, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                mask_k = offs_k < D
-                x = tl.load(x_ptr + t * stride_x + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BLOCK_K]
-                m = mask_i[:, None] & mask_k[None, :]
-                rows = base + offs_i[:, None].to(tl.int64) * stride_gr  # [BLOCK_I, 1] row pointers
-                acc_g += tl.sum(gguf_values(rows, offs_k[None, :], m, QT) * x[None, :], axis=1)
-                acc_u += tl.sum(gguf_values(rows + I * stride_gr, offs_k[None, :], m, QT) * x[None, :], axis=1)
+        elif QUANT == 3:  # GGUF: gate's rows and up's (I rows further), blocks decoded in registers
+            rows = base + offs_i.to(tl.int64) * stride_gr  # [BLOCK_I] row pointers
+            acc_g = gguf_row_dot(rows, mask_i, x_ptr + t * stride_x, D, QT, BLOCK_I)
+            acc_u = gguf_row_dot(rows + I * stride_gr, mask_i, x_ptr + t * stride_x, D, QT, BLOCK_I)
         else:
             for k0 in range(0, D, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -197,13 +192,7 @@ def _down_kernel(
             acc = _mx_row_dot(base, ds_ptr + e.to(tl.int64) * stride_dse, offs_d, mask_d, stride_dr, stride_dsr,
                               act_ptr + r * stride_act, I // 2, BLOCK_D, BLOCK_K // 2)
         elif QUANT == 3:  # GGUF rows of I values
-            rows = base + offs_d[:, None].to(tl.int64) * stride_dr  # [BLOCK_D, 1]
-            for k0 in range(0, I, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                mask_k = offs_k < I
-                a = tl.load(act_ptr + r * stride_act + offs_k, mask=mask_k, other=0.0)  # [BLOCK_K] fp32
-                m = mask_d[:, None] & mask_k[None, :]
-                acc += tl.sum(gguf_values(rows, offs_k[None, :], m, QT) * a[None, :], axis=1)
+            acc = gguf_row_dot(base + offs_d.to(tl.int64) * stride_dr, mask_d, act_ptr + r * stride_act, I, QT, BLOCK_D)
         else:
             for k0 in range(0, I, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)

@@ -21,7 +21,7 @@ ACT = ClampedSwiGLU()
 SMALL = GemmConfig(16, 16, 32, 16, 32, num_warps=4, num_stages=2)  # many tiles and k-steps
 CASES = [  # gate_up type, down type, T, A, E, D, I
     (Q4, Q6, 1, 2, 3, 256, 256),  # Q4_K_M's pair
-    (Q5, Q8, 3, 2, 4, 256, 256),
+    (Q5, Q8, 3, 2, 4, 512, 256),  # two K-quant blocks a row of gate_up
     (Q6, Q4, 2, 2, 3, 256, 256),
     (Q8, MX, 3, 2, 5, 64, 96),  # 32-value blocks: D and I below one 256-wide k-step
     (MX, Q8, 1, 1, 2, 96, 32),
