@@ -24,6 +24,8 @@ CASES = [  # gate_up type, down type, T, A, E, D, I
     (Q8, MX, 1, 1, 1, 32, 32),  # one block each way
     (MX, Q5, 4, 2, 3, 64, 256),
     (Q4, Q4, 2, 2, 2, 256, 256),
+    (Q4, Q6, 19, 1, 1, 256, 256),  # ~15 tokens on one expert: token passes of 8 and of the rest
+    (Q8, MX, 14, 2, 2, 64, 64),
 ]
 ISAS = [isa for isa in ("avx512bf16", "avx512", "avx2", "scalar") if build_extension().select_isa(isa)]
 ACT = ClampedSwiGLU(1.702, 7.0)
