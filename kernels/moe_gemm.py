@@ -27,7 +27,7 @@ fp32 before it is accumulated. MXFP4 banks (uint8: packed e2m1 rows, one E8M0 by
 format of kernels/moe_gemv.py): ``_load_mx`` decodes a tile of bytes into its even and odd weights, scaled
 and exact in x's dtype (2 significant bits), and they meet x's even and odd columns in two dots, so
 nothing is interleaved; BLOCK_K is then a multiple of 32. GGUF banks (uint8 blocks without scale banks,
-each bank's type told by its row bytes: services/engine/moe/gguf_quant.py): kernels/gguf_dequant.gguf_values
+each bank's type named by ``gguf_types``, rows possibly padded: services/engine/moe/gguf_quant.py): kernels/gguf_dequant.gguf_values
 decodes each [BK, BN] tile in registers into x's dtype (constexpr GQ per bank: gate_up and down may
 differ), any BLOCK_K. gpt-oss experts: per-expert biases and the
 clamped SwiGLU (moe/reference.py).
@@ -346,15 +346,18 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, A, D, stride_y, stride_out, BLOCK: 
     tl.store(out_ptr + t * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(hidden, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale, bias):
+def _check(hidden, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale, bias, gguf_types):
     T, A = topk_ids.shape
     mx = gate_up.dtype == torch.uint8  # MXFP4: half a byte per weight
     E, two_i = gate_up.shape[:2]
     I = two_i // 2
     D = gate_up.shape[2] * (2 if mx else 1)
     gq = (0, 0)
-    if mx and gate_up_scale is None:  # GGUF blocks: D from hidden, each bank's type from its row bytes
-        D, I, *gq = gguf_geometry("moe_gemm", hidden, gate_up, down)
+    if mx and gate_up_scale is None and gguf_types is None:  # never guessed from the shape: rows may be padded
+        raise ValueError("moe_gemm: uint8 banks without scales are GGUF banks: pass gguf_types (MXFP4 banks: "
+                         "their gate_up_scale / down_scale)")
+    if gguf_types is not None:  # GGUF blocks: D from hidden, each bank's type named
+        D, I, *gq = gguf_geometry("moe_gemm", hidden, gate_up, down, gguf_types)
         mx = False
     if hidden.shape != (T, D) or topk_weights.shape != (T, A) or (not any(gq) and tuple(down.shape) != (
             E, D, I // 2 if mx else I)):
@@ -386,17 +389,17 @@ def _check(hidden, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_sc
 def moe_gemm(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
              gate_up: torch.Tensor, down: torch.Tensor, act=None, bias: tuple[torch.Tensor, torch.Tensor] | None = None,
              gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
-             config: GemmConfig | None = None) -> torch.Tensor:
+             config: GemmConfig | None = None, gguf_types=None) -> torch.Tensor:
     """hidden [T, D] · topk_ids [T, A] int (-1 = skip) · topk_weights [T, A] · gate_up [E, 2I, D] ·
     down [E, D, I] · act: None (silu(gate) * up) or a ClampedSwiGLU · bias: (gate_up_bias [E, 2I],
     down_bias [E, D]) or None · FP8 banks: gate_up_scale [E, 2*ceil(I/128), ceil(D/128)] and down_scale
     [E, ceil(D/128), ceil(I/128)] fp32 · MXFP4 banks (told apart by their uint8 weights): gate_up [E, 2I, D/2],
-    down [E, D, I/2], gate_up_scale [E, 2I, D/32], down_scale [E, D, I/32] uint8 · GGUF banks (uint8 without
-    scales): gate_up [E, 2I, row_bytes(D)], down [E, D, row_bytes(I)], each bank's type told by its row
-    bytes (services/engine/moe/gguf_quant.py; the two may differ) · config: a GemmConfig, default
+    down [E, D, I/2], gate_up_scale [E, 2I, D/32], down_scale [E, D, I/32] uint8 · GGUF banks: ``gguf_types``
+    = (gate_up's, down's) GGUFType or value (e.g. ("q4_K", "q6_K")), no scales, gate_up [E, 2I, >= row_bytes(D)]
+    and down [E, D, >= row_bytes(I)] uint8 (services/engine/moe/gguf_quant.py) · config: a GemmConfig, default
     from the table -> [T, D] in hidden's dtype (fp32 accumulation). Same contract as moe_reference."""
     T, A, E, D, I, nb, (gq, dq) = _check(hidden, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale,
-                                         bias)
+                                         bias, gguf_types)
     mx = gate_up.dtype == torch.uint8 and not gq
     fp8 = gate_up_scale is not None and not mx
     R = T * A

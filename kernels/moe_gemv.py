@@ -33,10 +33,11 @@ a byte meet x's even and odd elements, so nothing is interleaved. The reference 
 + moe_reference (tests/kernels/test_moe_gemv_gpt_oss.py, which also checks hand-computed values).
 
 GGUF experts (q4_K, q5_K, q6_K, q8_0, mxfp4_gguf: services/engine/moe/gguf_quant.py): uint8 banks of the
-file's blocks, no scale banks; the type of each bank is told by its row bytes (gguf_quant.type_of_row), so
-gate_up and down may differ (Q4_K_M files: q6_K down). kernels/gguf_dequant.gguf_values decodes each
-[rows, BLOCK_K] tile in registers (constexpr QT per bank); the reference is gguf_quant.dequantize +
-moe_reference (tests/kernels/test_moe_gguf.py).
+file's blocks, no scale banks; the caller names each bank's type (``gguf_types``: gate_up and down may
+differ, Q4_K_M files hold q6_K down) and rows may be wider than the type needs (slots shared by layers of
+different types). kernels/gguf_dequant.gguf_row_dot decodes each row's blocks in registers, every quant
+byte loaded once and each sub-block's scale applied to its partial sum (constexpr QT per bank); the
+reference is gguf_quant.dequantize + moe_reference (tests/kernels/test_moe_gguf.py).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gguf_dequant import gguf_geometry, gguf_values
+from kernels.gguf_dequant import gguf_geometry, gguf_row_dot
 
 # Kernel 1 programs: (route, BLOCK_I rows of gate and of up). Qwen3-30B-A3B (I=768, D=2048), R=8:
 # 384 programs of 128 KiB of bf16 weights each — enough in flight to stream HBM on 132 SMs.
@@ -135,15 +136,10 @@ def _gate_up_act_kernel(
                                 D // 2, BLOCK_I, BLOCK_K // 2)
             acc_u = _mx_row_dot(base, sbase, offs_i + I, mask_i, stride_gr, stride_gsr, x_ptr + t * stride_x,
                                 D // 2, BLOCK_I, BLOCK_K // 2)
-        elif QUANT == 3:  # GGUF: gate's rows and up's (I rows further) decoded per [BLOCK_I, BLOCK_K] tile
-            for k0 in range(0, D, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                mask_k = offs_k < D
-                x = tl.load(x_ptr + t * stride_x + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BLOCK_K]
-                m = mask_i[:, None] & mask_k[None, :]
-                rows = base + offs_i[:, None].to(tl.int64) * stride_gr  # [BLOCK_I, 1] row pointers
-                acc_g += tl.sum(gguf_values(rows, offs_k[None, :], m, QT) * x[None, :], axis=1)
-                acc_u += tl.sum(gguf_values(rows + I * stride_gr, offs_k[None, :], m, QT) * x[None, :], axis=1)
+        elif QUANT == 3:  # GGUF: gate's rows and up's (I rows further), blocks decoded in registers
+            rows = base + offs_i.to(tl.int64) * stride_gr  # [BLOCK_I] row pointers
+            acc_g = gguf_row_dot(rows, mask_i, x_ptr + t * stride_x, D, QT, BLOCK_I)
+            acc_u = gguf_row_dot(rows + I * stride_gr, mask_i, x_ptr + t * stride_x, D, QT, BLOCK_I)
         else:
             for k0 in range(0, D, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -196,13 +192,7 @@ def _down_kernel(
             acc = _mx_row_dot(base, ds_ptr + e.to(tl.int64) * stride_dse, offs_d, mask_d, stride_dr, stride_dsr,
                               act_ptr + r * stride_act, I // 2, BLOCK_D, BLOCK_K // 2)
         elif QUANT == 3:  # GGUF rows of I values
-            rows = base + offs_d[:, None].to(tl.int64) * stride_dr  # [BLOCK_D, 1]
-            for k0 in range(0, I, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                mask_k = offs_k < I
-                a = tl.load(act_ptr + r * stride_act + offs_k, mask=mask_k, other=0.0)  # [BLOCK_K] fp32
-                m = mask_d[:, None] & mask_k[None, :]
-                acc += tl.sum(gguf_values(rows, offs_k[None, :], m, QT) * a[None, :], axis=1)
+            acc = gguf_row_dot(base + offs_d.to(tl.int64) * stride_dr, mask_d, act_ptr + r * stride_act, I, QT, BLOCK_D)
         else:
             for k0 in range(0, I, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -247,20 +237,23 @@ def _check_scales(gate_up_scale, down_scale, want_gu, want_d, what: str, layout:
 def moe_gemv(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
              gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
              down_scale: torch.Tensor | None = None, act=None,
-             bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+             bias: tuple[torch.Tensor, torch.Tensor] | None = None, gguf_types=None) -> torch.Tensor:
     """hidden [T, D] · topk_ids [T, A] int (-1 = skip) · topk_weights [T, A] · gate_up [E, 2I, D] ·
     down [E, D, I] -> [T, D] in hidden's dtype (fp32 accumulation). Same contract as moe_reference.
     FP8 banks: gate_up and down float8_e4m3fn with gate_up_scale [E, 2*ceil(I/128), ceil(D/128)] and
     down_scale [E, ceil(D/128), ceil(I/128)] fp32 (services/engine/moe/fp8.py).
     MXFP4 banks (told apart by their uint8 weights): gate_up [E, 2I, D/2] and down [E, D, I/2] packed
     e2m1, gate_up_scale [E, 2I, D/32] and down_scale [E, D, I/32] uint8 E8M0 (D and I multiples of 32).
-    GGUF banks (uint8 without scales): gate_up [E, 2I, row_bytes(D)], down [E, D, row_bytes(I)] in the
-    file's blocks, each bank's type told by its row bytes (gguf_quant.type_of_row; the two may differ).
+    GGUF banks (``gguf_types`` = (gate_up's, down's) GGUFType or its value, e.g. ("q4_K", "q6_K"); no
+    scales): gate_up [E, 2I, >= row_bytes(D)], down [E, D, >= row_bytes(I)] uint8 in the file's blocks.
     gpt-oss experts: ``act`` a ClampedSwiGLU (its alpha and limit are read), ``bias`` (gate_up_bias [E, 2I],
     down_bias [E, D])."""
     T, A = topk_ids.shape
-    if gate_up.dtype == torch.uint8 and gate_up_scale is None:
-        return _moe_gemv_gguf(hidden, topk_ids, topk_weights, gate_up, down, act, bias)
+    if gguf_types is not None:
+        return _moe_gemv_gguf(hidden, topk_ids, topk_weights, gate_up, down, act, bias, gguf_types)
+    if gate_up.dtype == torch.uint8 and gate_up_scale is None:  # never guessed from the shape: rows may be padded
+        raise ValueError("moe_gemv: uint8 banks without scales are GGUF banks: pass gguf_types (MXFP4 banks: "
+                         "their gate_up_scale / down_scale)")
     mx = gate_up.dtype == torch.uint8
     E, two_i = gate_up.shape[:2]
     I = two_i // 2
@@ -277,7 +270,7 @@ def moe_gemv(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     if mx:
         if D % MX_BLOCK or I % MX_BLOCK or gate_up_scale is None:
             raise ValueError(f"moe_gemv: MXFP4 banks need D ({D}) and I ({I}) multiples of {MX_BLOCK} and "
-                             "gate_up_scale / down_scale")
+                             "gate_up_scale / down_scale (GGUF banks: gguf_types)")
         _check_scales(gate_up_scale, down_scale, (E, 2 * I, D // MX_BLOCK), (E, D, I // MX_BLOCK), "mxfp4",
                       "[E, 2I, D/32] and [E, D, I/32]")
         quant = MXFP4
@@ -325,10 +318,10 @@ def _combine(y: torch.Tensor, T: int, A: int, D: int, dtype: torch.dtype) -> tor
     return out
 
 
-def _moe_gemv_gguf(hidden, topk_ids, topk_weights, gate_up, down, act, bias) -> torch.Tensor:
+def _moe_gemv_gguf(hidden, topk_ids, topk_weights, gate_up, down, act, bias, gguf_types) -> torch.Tensor:
     """moe_gemv on GGUF banks (its docstring): the same three kernels with QUANT=GGUF and each bank's QT."""
     T, A = topk_ids.shape
-    D, I, gt, dt = gguf_geometry("moe_gemv", hidden, gate_up, down)
+    D, I, gt, dt = gguf_geometry("moe_gemv", hidden, gate_up, down, gguf_types)
     E = gate_up.shape[0]
     if hidden.shape != (T, D) or topk_weights.shape != (T, A):
         raise ValueError(f"moe_gemv: shapes hidden {tuple(hidden.shape)}, topk_ids {tuple(topk_ids.shape)}, "

@@ -122,8 +122,8 @@ def make_bank(E: int, D: int, I: int, dtype: torch.dtype, pin: bool, huge_pages:
     ``huge_pages`` is False, pinned in place). ``fmt`` "fp8_block": e4m3 codes (random, finite) with
     block scales; "mxfp4": gpt-oss's experts (random bytes with E8M0 scales tiled from a pool:
     random_banks.py, zero biases, the clamped SwiGLU; ValueError unless D and I are multiples of 32); a GGUF
-    format ("q4_K", "q4_K+q6_K", ...): random valid blocks tiled from a pool (ValueError unless D and I are
-    whole blocks);
+    format ("q4_K", "q4_K+q6_K", ...): valid blocks repeated from a quantized pool (random_banks.fill_gguf_;
+    ValueError unless D and I are whole blocks);
     ``dtype`` is used by "unquantized" only."""
     biases, activation = {}, None
     if fmt == "fp8_block":
@@ -150,8 +150,7 @@ def make_bank(E: int, D: int, I: int, dtype: torch.dtype, pin: bool, huge_pages:
 
         check_geometry(ExpertFormat(fmt), D, I)
         gate_up, down = (host_bank((E, *s.shape(D, I)), torch.uint8, huge_pages) for s in BANK_SCHEMAS[ExpertFormat(fmt)])
-        fill_gguf_(gate_up, GGUF_TYPES[ExpertFormat(fmt)][0])
-        fill_gguf_(down, GGUF_TYPES[ExpertFormat(fmt)][1])
+        fill_gguf_({"gate_up": gate_up, "down": down}, *GGUF_TYPES[ExpertFormat(fmt)])
         scales = {}
     elif fmt == "unquantized":
         gate_up = host_bank((E, 2 * I, D), dtype, huge_pages).normal_(0, 0.02)  # [E, 2I, D]

@@ -1,5 +1,5 @@
-"""Random MXFP4 and GGUF expert banks, fast: what `tandem bench bw --dtype mxfp4` (or q4_K, ...) and
-benchmarks/bench_cpu_executor measure on (bank names and shapes: services/engine/moe/banks.py).
+"""Random MXFP4 expert banks, fast: what `tandem bench bw --dtype mxfp4` and benchmarks/bench_cpu_executor
+measure on (bank names and shapes: services/engine/moe/banks.py, ExpertFormat.MXFP4).
 
 The banks are filled by tiling a small pool of random bytes: torch's CPU RNG is serial (~0.2 GB/s on the
 H200 host), so drawing gpt-oss-120b's 4 layers x 128 experts (6.7 GB of nibbles) byte by byte, or quantizing
@@ -43,17 +43,25 @@ def fill_mxfp4_(*layers: dict[str, torch.Tensor], seed: int = 0) -> None:
                 t.zero_()
 
 
-GGUF_POOL_BLOCKS = (1 << 16) + 7  # blocks in the pool (~9-14 MB); odd, so experts start at different blocks
+GGUF_POOL_ROWS = 509  # rows quantized per bank width; prime, so experts start at different pool rows
 
 
-def fill_gguf_(bank: torch.Tensor, qtype, seed: int = 0) -> None:
-    """Fill a GGUF bank uint8 [E, rows, row bytes of ``qtype``] (contiguous: whole blocks back to back) by tiling
-    a pool of random valid blocks (models/gguf_random.py: every code, finite scales of N(0, 0.02)-sized
-    values). The pool is whole blocks, so every block of the bank is one of the pool's."""
-    from services.engine.models.gguf_random import random_blocks_
-    from services.engine.moe.gguf_quant import BLOCK, GGUFType
+def fill_gguf_(tensors: dict[str, torch.Tensor], gate_up_type, down_type, seed: int = 0) -> None:
+    """Fill one GGUF layer's banks (gate_up [E, 2I, W_gu], down [E, D, W_d] uint8, rows possibly padded) in
+    place with valid blocks: GGUF_POOL_ROWS rows of N(0, 0.02) values quantized to the bank's type
+    (gguf_quant.quantize), repeated row by row (random bytes would make NaN / huge fp16 scales). Any
+    other bank (biases) is zeroed."""
+    from services.engine.moe.gguf_quant import quantize, row_bytes
 
-    nbytes = BLOCK[GGUFType(qtype)][1]
-    pool = torch.empty((GGUF_POOL_BLOCKS, nbytes), dtype=torch.uint8)
-    random_blocks_(pool, GGUFType(qtype).value, 0.02, torch.Generator().manual_seed(seed))
-    fill_tiled_(bank, pool.view(-1))
+    g = torch.Generator().manual_seed(seed)
+    D, I = tensors["down"].shape[1], tensors["gate_up"].shape[1] // 2
+    for name, t in tensors.items():
+        if name not in ("gate_up", "down"):
+            t.zero_()
+            continue
+        qtype, cols = (gate_up_type, D) if name == "gate_up" else (down_type, I)
+        pool = quantize(torch.randn(GGUF_POOL_ROWS, cols, generator=g) * 0.02, qtype)  # [P, row_bytes]
+        rows = t.view(-1, t.shape[-1])[:, :row_bytes(qtype, cols)]  # [E * rows, row_bytes]
+        for start in range(0, rows.shape[0], GGUF_POOL_ROWS):
+            chunk = rows[start:start + GGUF_POOL_ROWS]
+            chunk.copy_(pool[:chunk.shape[0]])

@@ -29,8 +29,8 @@ import torch
 
 from services.common.logging import get_logger
 from services.common.settings import env
-from services.engine.moe.banks import GGUF_TYPES, ExpertBanks, LayerBanks
-from services.engine.moe.gguf_quant import row_bytes
+from services.engine.moe.banks import ExpertBanks, LayerBanks
+from services.engine.moe.gguf_quant import KERNEL_CODE, format_types
 
 log = get_logger("engine.cpu_executor")
 
@@ -218,15 +218,6 @@ def default_num_threads(leave_driver_core: bool) -> int:
     return cores - 1 if leave_driver_core and cores > 2 else cores
 
 
-def _padded(lb: LayerBanks) -> bool:
-    """Whether GGUF layer ``lb``'s bank rows are wider than its types need."""
-    if lb.format not in GGUF_TYPES:
-        return False
-    gu, down = lb.tensors["gate_up"], lb.tensors["down"]
-    gu_type, down_type = GGUF_TYPES[lb.format]
-    return gu.shape[-1] != row_bytes(gu_type, down.shape[-2]) or down.shape[-1] != row_bytes(down_type, gu.shape[-2] // 2)
-
-
 class CpuExecutor:
     """Routed experts of one MoE layer on the CPU, asynchronously.
 
@@ -265,10 +256,11 @@ class CpuExecutor:
         self._impl = ext.Executor(self.worker_cpus, n, spin_us, isa)
         self._tids = _worker_tids() - others  # this pool's workers (named before the constructor returns)
         self.banks = banks
-        # The C++ kernels tell a GGUF bank's type by its row bytes: a layer whose rows are wider than its types
-        # need (a GGUF file's layers of different types share the widest row, banks.bank_shapes) is computed in
-        # torch instead (its blocks dequantized per expert, moe/dequant.py), synchronously, on the calling thread
-        self.torch_layers = {i for i, lb in enumerate(banks.layers) if _padded(lb)}
+        gguf = [(lb.tensors["gate_up"], format_types(lb.format)) for lb in banks.layers]
+        gguf = [(gu, types) for gu, types in gguf if types is not None]
+        if gguf:  # GGUF layers: the types of gate_up and down per layer (rows may be padded: never guessed)
+            self._impl.set_gguf_layers([gu for gu, _ in gguf], [KERNEL_CODE[t[0]] for _, t in gguf],
+                                       [KERNEL_CODE[t[1]] for _, t in gguf])
         if not banks.plain_swiglu:  # gpt-oss: expert biases and the clamped SwiGLU, set once per layer bank
             act = banks.activation
             self._impl.set_expert_math([lb.tensors["gate_up"] for lb in banks.layers],
@@ -318,35 +310,16 @@ class CpuExecutor:
             ids = ids.long().contiguous()
         if weights.dtype not in (torch.float32, torch.bfloat16) or not weights.is_contiguous():
             weights = weights.float().contiguous()
-        if layer in self.torch_layers:
-            self._submit_torch(lb, hidden, ids, weights, out)
-            return
         if ready is None:
             ready = self._no_flag
         self._impl.submit(hidden, ids, weights, lb.ordered(), out, ready, int(ready_value))
         self._pending = (hidden, ids, weights, out, ready)
-
-    def _submit_torch(self, lb: LayerBanks, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                      out: torch.Tensor) -> None:
-        """The job of a GGUF layer, done now with the torch grouped loop (``wait`` returns it)."""
-        from services.engine.moe.resident import moe_grouped
-
-        t0 = time.perf_counter_ns()
-        out.copy_(moe_grouped(hidden, ids.long(), weights, lb.tensors["gate_up"], lb.tensors["down"],
-                              self.banks.activation, lb.bias, fmt=lb.format).float())
-        self.last_ready_ns, self.last_done_ns = t0, time.perf_counter_ns()
-        valid = ids[ids >= 0]
-        self.last_experts, self.last_routes = int(valid.unique().numel()), int(valid.numel())
-        self._pending = (hidden, ids, weights, out, "torch")
 
     def wait(self) -> torch.Tensor:
         """Block until the submitted job is done; returns its ``out [T, D]`` fp32."""
         if self._pending is None:
             raise RuntimeError("cpu executor: wait() without a submitted job")
         out = self._pending[3]
-        if self._pending[-1] == "torch":
-            self._pending = None
-            return out
         try:
             self.last_ready_ns, self.last_done_ns, self.last_experts, self.last_routes = self._impl.wait()
         finally:

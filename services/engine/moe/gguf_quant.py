@@ -81,10 +81,36 @@ def row_bytes(qtype: GGUFType | str, cols: int) -> int:
     return cols // qk * nbytes
 
 
+def format_types(fmt: str) -> tuple[GGUFType, GGUFType] | None:
+    """(gate_up's type, down's type) of a GGUF expert format, from its value: ``"q4_K"`` (both banks) or
+    ``"q4_K+q6_K"`` (gate_up+down, as Q4_K_M files mix them); None for any other format (bf16, fp8_block,
+    the Hub's mxfp4). What the compute paths pass to the kernels as ``gguf_types``."""
+    parts = str(getattr(fmt, "value", fmt)).split("+")
+    try:
+        types = tuple(GGUFType(p) for p in parts)
+    except ValueError:
+        return None
+    if len(types) == 1:
+        return types[0], types[0]
+    return types if len(types) == 2 else None
+
+
+def check_bank(what: str, bank: torch.Tensor, qtype: GGUFType | str, rows: int, cols: int) -> None:
+    """ValueError unless ``bank`` is uint8 [E, rows, >= row_bytes(qtype, cols)] with a contiguous last
+    dimension. A row may be wider than its type needs: a GGUF file's layers of different types share one
+    slot shape (the widest row), and a layer's kernels read the first row_bytes of each row."""
+    qtype = GGUFType(qtype)
+    need = row_bytes(qtype, cols)
+    if bank.dtype != torch.uint8 or bank.dim() != 3 or bank.shape[1] != rows or bank.shape[2] < need \
+            or bank.stride(2) != 1:
+        raise ValueError(f"{what}: {qtype.value} bank {bank.dtype} {tuple(bank.shape)} is not uint8 [E, {rows}, "
+                         f">= {need}] (rows of {cols} values) with a contiguous last dimension")
+
+
 def type_of_row(nbytes: int, cols: int) -> GGUFType:
-    """The GGUF type whose rows of ``cols`` values take ``nbytes`` bytes. Unique: the five types' bytes per
-    value (144/256, 176/256, 210/256, 34/32, 17/32) all differ, which is how the kernels tell the type of a
-    uint8 bank without scale banks from its shape. ValueError when none fits."""
+    """The GGUF type whose rows of ``cols`` values take exactly ``nbytes`` bytes. Unique: the five types'
+    bytes per value (144/256, 176/256, 210/256, 34/32, 17/32) all differ. For files and tests; the kernels
+    take the types explicitly (rows may be padded). ValueError when none fits."""
     for t, (qk, b) in BLOCK.items():
         if cols > 0 and cols % qk == 0 and cols // qk * b == nbytes:
             return t
@@ -93,8 +119,8 @@ def type_of_row(nbytes: int, cols: int) -> GGUFType:
 
 
 def bank_types(gate_up: torch.Tensor, down: torch.Tensor, D: int) -> tuple[GGUFType, GGUFType]:
-    """(gate_up's type, down's type) of GGUF banks gate_up uint8 [..., 2I, row_bytes(D)] and down uint8
-    [..., D, row_bytes(I)] (the two may differ: Q4_K_M files often store down as q6_K)."""
+    """(gate_up's type, down's type) of unpadded GGUF banks gate_up uint8 [..., 2I, row_bytes(D)] and down
+    uint8 [..., D, row_bytes(I)] (the two may differ: Q4_K_M files often store down as q6_K)."""
     I = gate_up.shape[-2] // 2
     return type_of_row(gate_up.shape[-1], D), type_of_row(down.shape[-1], I)
 
@@ -148,11 +174,14 @@ def _dequant_blocks(b: torch.Tensor, qtype: GGUFType) -> torch.Tensor:
 
 def dequantize(blocks: torch.Tensor, qtype: GGUFType | str, cols: int | None = None) -> torch.Tensor:
     """blocks uint8 [..., row_bytes] (rows as the GGUF file stores them) -> fp32 [..., cols]. ``cols``
-    (optional) is checked against the row's bytes. Same values as ``gguf.quants.dequantize``."""
+    (optional) is checked against the row's bytes; rows wider than ``row_bytes(qtype, cols)`` (padded banks,
+    ``check_bank``) are cut to it. Same values as ``gguf.quants.dequantize``."""
     qtype = GGUFType(qtype)
     qk, nb = BLOCK[qtype]
     if blocks.dtype != torch.uint8:
         raise ValueError(f"{qtype.value}: blocks must be uint8, got {blocks.dtype}")
+    if cols is not None and cols > 0 and cols % qk == 0 and blocks.shape[-1] > row_bytes(qtype, cols):
+        blocks = blocks[..., :row_bytes(qtype, cols)]
     if blocks.shape[-1] % nb:
         raise ValueError(f"{qtype.value}: a row of {blocks.shape[-1]} bytes is not a whole number of {nb}-byte blocks")
     ncols = blocks.shape[-1] // nb * qk
@@ -165,8 +194,10 @@ def dequantize(blocks: torch.Tensor, qtype: GGUFType | str, cols: int | None = N
 
 def dense_experts(gate_up: torch.Tensor, down: torch.Tensor, gate_up_type: GGUFType | str, down_type: GGUFType | str,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """GGUF banks (one expert or a stack) -> (gate_up [..., 2I, D], down [..., D, I]) in ``dtype``."""
-    return dequantize(gate_up, gate_up_type).to(dtype), dequantize(down, down_type).to(dtype)
+    """GGUF banks (one expert or a stack; rows possibly padded) -> (gate_up [..., 2I, D], down [..., D, I])
+    in ``dtype``. D is down's rows, I half of gate_up's."""
+    D, I = down.shape[-2], gate_up.shape[-2] // 2
+    return dequantize(gate_up, gate_up_type, D).to(dtype), dequantize(down, down_type, I).to(dtype)
 
 
 # -- quantize --------------------------------------------------------------------------------------------
@@ -230,6 +261,9 @@ def _quant_q6k(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([ql, qh, sc.to(torch.int8).view(torch.uint8), _to_f16_bytes(d)], dim=1)
 
 
+QUANT_CHUNK = 1 << 16  # blocks per gguf-py call (128 MiB of mxfp4 search temporaries)
+
+
 def quantize(weights: torch.Tensor, qtype: GGUFType | str) -> torch.Tensor:
     """weights float [..., C] (C a multiple of the block's values) -> uint8 [..., row_bytes(qtype, C)].
     q8_0 and mxfp4 by gguf-py (bit-equal to ggml's); the K-quants by the min/max rounding above (valid
@@ -242,8 +276,10 @@ def quantize(weights: torch.Tensor, qtype: GGUFType | str) -> torch.Tensor:
         from gguf import GGMLQuantizationType
         from gguf.quants import quantize as gguf_quantize
 
-        out = torch.from_numpy(np.ascontiguousarray(
-            gguf_quantize(x.cpu().numpy(), GGMLQuantizationType(GGML_TYPE_ID[qtype])))).to(weights.device)
+        # in chunks: gguf-py's mxfp4 search makes a [blocks, 32, 16] fp32 temporary (2 KiB per block)
+        host, ggml = x.cpu().numpy(), GGMLQuantizationType(GGML_TYPE_ID[qtype])
+        out = torch.from_numpy(np.concatenate([gguf_quantize(host[i:i + QUANT_CHUNK], ggml)
+                                               for i in range(0, len(host), QUANT_CHUNK)])).to(weights.device)
     elif qtype is GGUFType.Q6_K:
         out = _quant_q6k(x)
     else:

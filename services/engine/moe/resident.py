@@ -34,7 +34,6 @@ from services.engine.config import MoEBackend
 from services.engine.moe.backends import BackendContext, register_backend
 from services.engine.moe.banks import BANK_SCHEMAS, GGUF_TYPES, SCALE_BANKS, ExpertFormat
 from services.engine.moe.dequant import check_banks, dense_experts
-from services.engine.moe.gguf_quant import row_bytes
 from services.engine.moe.reference import ClampedSwiGLU, expert_swiglu, glu
 
 log = get_logger("resident")
@@ -129,12 +128,8 @@ class DecodeKernel:
         scales = (gate_up_scale, down_scale)
         R = topk_ids.numel()
         check_banks(fmt, gate_up, down, gate_up_scale, down_scale)  # the kernels tell formats by dtype: agree
-        types = GGUF_TYPES.get(ExpertFormat(fmt))  # GGUF: (gate_up's, down's) block type
-        # the Triton kernels tell a GGUF bank's type by its row bytes: not for a layer whose rows are wider than
-        # its types need (a GGUF file's layers of different types share the widest row), which takes torch
-        kernels_read_it = types is None or (gate_up.shape[-1] == row_bytes(types[0], down.shape[-2])
-                                            and down.shape[-1] == row_bytes(types[1], gate_up.shape[-2] // 2))
-        if self.kind == "triton" and kernels_read_it:
+        types = GGUF_TYPES.get(ExpertFormat(fmt))  # GGUF: (gate_up's, down's) block type, named to the kernels
+        if self.kind == "triton":
             try:
                 if self._gemm is None:
                     from kernels.moe_gemm import moe_gemm
@@ -142,8 +137,9 @@ class DecodeKernel:
 
                     self._gemv, self._gemm = moe_gemv, moe_gemm
                 if R <= GEMV_MAX_ROUTES:
-                    return self._gemv(hidden, topk_ids, topk_weights, gate_up, down, *scales, act=act, bias=bias)
-                return self._gemm(hidden, topk_ids, topk_weights, gate_up, down, act, bias, *scales)
+                    return self._gemv(hidden, topk_ids, topk_weights, gate_up, down, *scales, act=act, bias=bias,
+                                      gguf_types=types)
+                return self._gemm(hidden, topk_ids, topk_weights, gate_up, down, act, bias, *scales, gguf_types=types)
             except Exception as e:  # noqa: BLE001 - keep serving; stats() shows the kernel in use
                 if torch.cuda.is_current_stream_capturing():
                     raise
@@ -174,7 +170,7 @@ class DecodeKernel:
             if self.kind != "triton":
                 break
             self._gemm(x, ids, w, gate_up, down, act, bias, scales.get("gate_up_scale"), scales.get("down_scale"),
-                       config=cfg)
+                       config=cfg, gguf_types=GGUF_TYPES.get(scales.get("fmt")))
             calls += 1
         return calls
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.moe.banks import ExpertBanks, ExpertFormat, LayerBanks
+from services.engine.moe.banks import ExpertBanks, LayerBanks
 from services.engine.moe.cpu_executor import CpuExecutor, build_extension
 from services.engine.moe.gguf_quant import GGUFType, dequantize, quantize, row_bytes
 from services.engine.moe.reference import ClampedSwiGLU, moe_reference
@@ -24,23 +24,42 @@ CASES = [  # gate_up type, down type, T, A, E, D, I
     (Q8, MX, 1, 1, 1, 32, 32),  # one block each way
     (MX, Q5, 4, 2, 3, 64, 256),
     (Q4, Q4, 2, 2, 2, 256, 256),
+    (Q4, Q6, 19, 1, 1, 256, 256),  # ~15 tokens on one expert: token passes of 8 and of the rest
+    (Q8, MX, 14, 2, 2, 64, 64),
 ]
 ISAS = [isa for isa in ("avx512bf16", "avx512", "avx2", "scalar") if build_extension().select_isa(isa)]
 ACT = ClampedSwiGLU(1.702, 7.0)
 
 
-def gguf_case(gt, dt, T, A, E, D, I, seed=0, gpt_oss=False, dtype=torch.float32):
-    """One layer of GGUF banks (in host_bank memory, as the loader allocates them) and a step's inputs.
-    The layer is labelled UNQUANTIZED only so LayerBanks.ordered() hands over [gate_up, down]: the executor
-    tells GGUF banks by their tensors (uint8, no scale banks, row bytes), not by the label."""
+class GgufLayer(LayerBanks):
+    """A GGUF layer whatever BANK_SCHEMAS holds: its format is the GGUF format's value ("q4_K+q6_K"), which
+    names the banks' types (gguf_quant.format_types: what CpuExecutor hands the extension), and ordered()
+    gives [gate_up, down] as the GGUF schemas do."""
+
+    def ordered(self) -> list[torch.Tensor]:
+        return [self.tensors["gate_up"], self.tensors["down"]]
+
+
+def layer(gt, dt, tensors) -> GgufLayer:
+    return GgufLayer(f"{gt.value}+{dt.value}", tensors)
+
+
+def pad_rows(bank: torch.Tensor, extra: int) -> torch.Tensor:
+    """``bank`` with ``extra`` junk bytes (0xFF: NaN fp16 scales if read) after each row's blocks."""
+    return torch.cat([bank, torch.full((*bank.shape[:2], extra), 0xFF, dtype=torch.uint8)], dim=2)
+
+
+def gguf_case(gt, dt, T, A, E, D, I, seed=0, gpt_oss=False, dtype=torch.float32, pad=0):
+    """One layer of GGUF banks (rows padded by ``pad`` junk bytes: slots shared with wider types) and a
+    step's inputs."""
     g = torch.Generator().manual_seed(seed)
     gate_up = quantize(torch.randn(E, 2 * I, D, generator=g) * 3 / D ** 0.5, gt)  # [E, 2I, row_bytes(D)]
     down = quantize(torch.randn(E, D, I, generator=g) / I ** 0.5, dt)  # [E, D, row_bytes(I)]
-    tensors = {"gate_up": gate_up, "down": down}
+    tensors = {"gate_up": pad_rows(gate_up, pad), "down": pad_rows(down, pad)}
     if gpt_oss:
         tensors["gate_up_bias"] = torch.randn(E, 2 * I, generator=g).to(dtype)
         tensors["down_bias"] = (torch.randn(E, D, generator=g) * 0.1).to(dtype)
-    banks = ExpertBanks([LayerBanks(ExpertFormat.UNQUANTIZED, tensors)], ACT if gpt_oss else None)
+    banks = ExpertBanks([layer(gt, dt, tensors)], ACT if gpt_oss else None)
     hidden = torch.randn(T, D, generator=g).to(dtype)
     ids = torch.stack([torch.randperm(E, generator=g)[:A] for _ in range(T)])
     ids[torch.rand(T, A, generator=g) < 0.2] = -1
@@ -52,7 +71,8 @@ def gguf_case(gt, dt, T, A, E, D, I, seed=0, gpt_oss=False, dtype=torch.float32)
 def reference(banks, hidden, ids, weights, gt, dt):
     L = banks.layers[0].tensors
     bias = None if banks.layers[0].bias is None else tuple(b.float() for b in banks.layers[0].bias)
-    return moe_reference(hidden.float(), ids, weights, dequantize(L["gate_up"], gt), dequantize(L["down"], dt),
+    D, I = L["down"].shape[1], L["gate_up"].shape[1] // 2
+    return moe_reference(hidden.float(), ids, weights, dequantize(L["gate_up"], gt, D), dequantize(L["down"], dt, I),
                          banks.activation, bias)
 
 
@@ -79,6 +99,13 @@ def test_gguf_matches_reference(gt, dt, T, A, E, D, I, isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_padded_rows_read_only_their_types_bytes(isa):
+    """A q4_K layer in slots as wide as q6_K rows (a Q4_K_M file's widest): junk past the blocks is not read."""
+    banks, hidden, ids, weights = gguf_case(Q4, Q4, 3, 2, 4, 256, 256, seed=2, pad=row_bytes(Q6, 256) - row_bytes(Q4, 256))
+    assert_close(run(banks, hidden, ids, weights, isa), reference(banks, hidden, ids, weights, Q4, Q4))
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gguf_gpt_oss_math(isa, dtype):
     """Biases (in the model dtype) and the clamped SwiGLU beside mxfp4_gguf banks, as gpt-oss GGUF files hold them."""
@@ -99,7 +126,7 @@ def test_one_value_pins_the_decode():
     d[0, :, 0] = 1.0
     gate_up, down = quantize(w, Q8), quantize(d, Q8)
     gu, dn = dequantize(gate_up, Q8)[0], dequantize(down, Q8)[0]  # 3.0 and 1.0 as the fp16 d makes them
-    banks = ExpertBanks([LayerBanks(ExpertFormat.UNQUANTIZED, {"gate_up": gate_up, "down": down})])
+    banks = ExpertBanks([layer(Q8, Q8, {"gate_up": gate_up, "down": down})])
     for isa in ISAS:
         for k in (5, 4):
             hidden = torch.zeros(1, D)
@@ -110,14 +137,20 @@ def test_one_value_pins_the_decode():
             torch.testing.assert_close(out[0], expect, atol=1e-6, rtol=1e-6)
 
 
-def test_banks_no_type_fits_are_refused():
+def test_banks_that_do_not_fit_their_types_are_refused():
     banks, hidden, ids, weights = gguf_case(Q8, Q8, 1, 1, 2, 64, 32)
     L = banks.layers[0].tensors
     ex = CpuExecutor(banks, num_threads=1, spin_us=50, isa=ISAS[-1])
+    out = torch.empty(1, 64)
     try:
-        with pytest.raises(RuntimeError, match=r"uint8 banks without scale banks are GGUF blocks"):
-            ex._impl.submit(hidden, ids, weights, [L["gate_up"][:, :, :-2].contiguous(), L["down"]],
-                            torch.empty(1, 64), torch.empty(0), 0)
+        short = L["gate_up"][:, :, :-2].contiguous()  # another bank: no types given for it
+        with pytest.raises(RuntimeError, match=r"GGUF banks, whose types come from set_gguf_layers"):
+            ex._impl.submit(hidden, ids, weights, [short, L["down"]], out, torch.empty(0), 0)
+        ex._impl.set_gguf_layers([short], [4], [4])
+        with pytest.raises(RuntimeError, match=r"are not \[E, 2I, >= row bytes of D\]"):
+            ex._impl.submit(hidden, ids, weights, [short, L["down"]], out, torch.empty(0), 0)
+        with pytest.raises(RuntimeError, match=r"types 1..5"):
+            ex._impl.set_gguf_layers([short], [0], [4])
     finally:
         ex.close()
 

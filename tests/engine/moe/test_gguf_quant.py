@@ -12,8 +12,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from services.engine.moe.gguf_quant import (BLOCK, GGML_TYPE_ID, GGUFType, bank_types, dequantize, quantize,
-                                            row_bytes, type_of_row)
+from services.engine.moe.gguf_quant import (BLOCK, GGML_TYPE_ID, GGUFType, bank_types, check_bank, dequantize,
+                                            format_types, quantize, row_bytes, type_of_row)
 
 TYPES = list(GGUFType)
 
@@ -122,3 +122,19 @@ def test_quantize_round_trip(qtype):
 def test_quantize_refuses_partial_blocks():
     with pytest.raises(ValueError, match="whole number of 256-value blocks"):
         quantize(torch.zeros(2, 128), GGUFType.Q5_K)
+
+
+def test_format_types_reads_the_format_value():
+    assert format_types("q4_K") == (GGUFType.Q4_K, GGUFType.Q4_K)
+    assert format_types("q4_K+q6_K") == (GGUFType.Q4_K, GGUFType.Q6_K)
+    assert format_types("mxfp4_gguf") == (GGUFType.MXFP4, GGUFType.MXFP4)
+    for other in ("mxfp4", "fp8_block", "unquantized", "q4_K+q6_K+q8_0", "q4_0"):
+        assert format_types(other) is None
+
+
+def test_check_bank_allows_padded_rows_only():
+    check_bank("down", torch.empty(2, 8, row_bytes(GGUFType.Q6_K, 256), dtype=torch.uint8), GGUFType.Q4_K, 8, 256)
+    with pytest.raises(ValueError, match=r"gate_up: q6_K bank torch.uint8 \(2, 8, 144\) is not uint8 \[E, 8, >= 210\]"):
+        check_bank("gate_up", torch.empty(2, 8, 144, dtype=torch.uint8), GGUFType.Q6_K, 8, 256)
+    padded = torch.cat([quantize(torch.randn(3, 64), "q8_0"), torch.full((3, 9), 0xFF, dtype=torch.uint8)], dim=1)
+    assert torch.equal(dequantize(padded, "q8_0", 64), dequantize(padded[:, :68], "q8_0"))

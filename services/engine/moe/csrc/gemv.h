@@ -23,7 +23,7 @@
 // 4j + 3 (mxfp4_bx_pos); a row's last chunk of r < 4 blocks the same with 8r words.
 //
 // GGUF (q4_K, q5_K, q6_K, q8_0, mxfp4_gguf banks; gguf_gemv.cpp): W holds the file's blocks, `gguf` the
-// type (GgufType), row r at W + r * gguf_row_bytes(gguf, ldw) (ldw and K count values); X fp32 as is.
+// type (GgufType), row r at W + r * ldb bytes (K counts values); X fp32 as is.
 #pragma once
 #include <cstdint>
 
@@ -62,7 +62,8 @@ struct GemvArgs {
   int64_t lds = 0;                // ... floats between block rows (ceil(K / 128))
   int srow0 = 0;                  // ... and the first row's index on the block grid
   const uint8_t* mxscale = nullptr;  // MXFP4 only: the first row's E8M0 bytes (K / 32 per row)
-  int gguf = 0;                      // GGUF only: the rows' GgufType
+  int gguf = 0;                      // GGUF only: the rows' GgufType ...
+  int64_t ldb = 0;                   // ... and the bytes between rows (>= gguf_row_bytes(gguf, K): padded slots)
 };
 
 using GemvFn = void (*)(const GemvArgs&);
