@@ -458,7 +458,7 @@ def test_cuda_bfloat16_q4_K_M_synthetic_serves_every_backend():
     assert (out["hybrid"][0] - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss", "olmoe", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["gpt_oss", "olmoe", pytest.param("qwen3_moe", marks=pytest.mark.slow)])  # ~5 min
 def test_triton_code_paths_equal_transformers(arch, cases, reference_tokens, monkeypatch):
     """What the CUDA model runs, on CPU tensors (TRITON_INTERPRET): the MoE GEMV / grouped GEMM on the GGUF
     banks (mxfp4_gguf with gpt-oss's biases and clamped SwiGLU; q8_0; qwen3's q4_K+q6_K layer and its q4_K
