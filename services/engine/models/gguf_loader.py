@@ -66,7 +66,7 @@ LAYER_NAMES = {
        for w in ("weight", "bias")},
     "self_attn.q_norm.weight": ("attn_q_norm.weight",),
     "self_attn.k_norm.weight": ("attn_k_norm.weight",),
-    "self_attn.sinks": ("attn_sinks.weight",),
+    "self_attn.sinks": ("attn_sinks.weight", "attn_sinks"),  # the converter appends .weight; accept the bare name
     "mlp.gate.weight": ("ffn_gate_inp.weight",),  # the router
     "block_sparse_moe.gate.weight": ("ffn_gate_inp.weight",),  # Mixtral's
     "mlp.router.weight": ("ffn_gate_inp.weight",),
