@@ -536,3 +536,42 @@ def test_sentencepiece_tokenizer_matches_transformers_gguf_tokenizer(tmp_path):
         assert ours.decode(ids) == theirs.decode(ids)
     assert ours.eos_token_ids == [2]
     assert len(ours.encode("the experts live in host memory")) < 12  # merges applied, not bytes / characters
+
+
+def test_engine_serves_a_gguf_chat_with_a_grammar(cases):
+    """The engine on a GGUF file, as the gateway sees it: its info carries the file's tokenizer and chat
+    template (what the gateway builds its tokenizer from), a chat prompt rendered with it generates, and a
+    JSON-schema grammar (llguidance over the tokenizer.json built from the metadata) constrains the output."""
+    import asyncio
+    import json
+
+    from services.common.tokenizer import Tokenizer
+    from services.engine.engine import Engine
+    from services.engine.runtime.sampler import SamplingParams
+
+    engine = Engine(EngineConfig(model=str(cases["qwen3_moe"].path), max_seq_len=256, max_running_requests=2))
+    engine.start()
+    try:
+        engine.wait_ready(120)
+        info = engine._info
+        assert info["model_id"] == "tiny-qwen3_moe"
+        tok = Tokenizer.from_info(info)
+        prompt = tok.apply_chat_template([{"role": "user", "content": "Say something."}])
+        assert prompt[:1] == [tok.token_to_id("<|im_start|>")]
+        schema = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"],
+                  "additionalProperties": False}
+
+        async def run():
+            ids, finish = [], None
+            params = SamplingParams(max_tokens=200, temperature=1.0, seed=1, grammar={"json_schema": schema})
+            async for out in engine.submit("gguf-1", prompt, params):
+                ids += out["token_ids"]
+                finish = out["finish_reason"]
+            return ids, finish
+
+        ids, finish = asyncio.run(run())
+        assert finish == "stop"
+        text = tok.decode([i for i in ids if i not in tok.eos_token_ids])
+        assert json.loads(text)["n"] in (1, 2, 3)
+    finally:
+        engine.shutdown()
