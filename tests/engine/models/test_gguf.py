@@ -575,3 +575,16 @@ def test_engine_serves_a_gguf_chat_with_a_grammar(cases):
         assert json.loads(text)["n"] in (1, 2, 3)
     finally:
         engine.shutdown()
+
+
+def test_bank_formats_name_the_kernels_types():
+    """banks.GGUF_TYPES (what the compute paths name to the kernels) agrees with gguf_quant.format_types (what
+    the CPU executor derives from a format's value), and every GGUF format's banks are whole rows of its types."""
+    from services.engine.moe.banks import BANK_SCHEMAS, GGUF_TYPES
+    from services.engine.moe.gguf_quant import format_types, row_bytes
+
+    assert set(GGUF_TYPES) == {f for f in ExpertFormat if format_types(f.value) is not None}
+    for fmt, (gu, down) in GGUF_TYPES.items():
+        assert format_types(fmt.value) == (gu, down)
+        shapes = {s.name: s.shape(512, 256) for s in BANK_SCHEMAS[fmt]}
+        assert shapes == {"gate_up": (512, row_bytes(gu, 512)), "down": (512, row_bytes(down, 256))}
