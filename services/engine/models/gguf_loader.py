@@ -133,10 +133,13 @@ def gguf_config(f: GGUFFile) -> dict:
     # the expert width: the metadata's, else the first MoE layer's tensors' (llama.cpp writes no
     # expert_feed_forward_length for llama / olmoe, whose feed_forward_length is the experts')
     first = next((i for i in range(L) if i not in cfg["mlp_only_layers"]), None)
+    if first is None:  # early Mixtral conversions stored one tensor per expert (blk.N.ffn_gate.E.weight)
+        raise LoaderError(f"{f.path}: no stacked expert tensors (blk.N.ffn_gate_exps.weight) in a model of "
+                          f"{cfg['num_experts']} experts; files with one tensor per expert (early conversions) are "
+                          "not supported: convert it again with a current llama.cpp")
     width = f.get(".expert_feed_forward_length", None)
-    if width is None and first is not None:
-        width = f.shape(expert_names(first)["gate"])[1]
-    cfg[a.expert_width_key] = int(width or 0)  # gpt-oss / olmoe / mixtral: over intermediate_size
+    # gpt-oss / olmoe / mixtral: the expert width goes over intermediate_size
+    cfg[a.expert_width_key] = int(width if width is not None else f.shape(expert_names(first)["gate"])[1])
     if a.model_type == "olmoe" and f.get(".attention.clamp_kqv", None) is not None:
         cfg["clip_qkv"] = float(f.get(".attention.clamp_kqv"))
     if a.model_type == "gpt_oss":

@@ -588,3 +588,28 @@ def test_bank_formats_name_the_kernels_types():
         assert format_types(fmt.value) == (gu, down)
         shapes = {s.name: s.shape(512, 256) for s in BANK_SCHEMAS[fmt]}
         assert shapes == {"gate_up": (512, row_bytes(gu, 512)), "down": (512, row_bytes(down, 256))}
+
+
+def test_per_expert_tensors_of_early_conversions_are_refused(cases, tmp_path):
+    """A file without stacked ffn_*_exps tensors (early Mixtral conversions stored one per expert) is refused
+    in one line saying so, not as a dense model."""
+    import gguf
+
+    src = gguf.GGUFReader(str(cases["qwen3_moe"].path))
+    path = tmp_path / "per-expert.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    for name, field in src.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    for t in src.tensors:
+        if "_exps." in t.name:
+            continue
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(LoaderError, match=r"no stacked expert tensors .* one tensor per expert") as err:
+        load_model(EngineConfig(model=str(path)))
+    assert "\n" not in str(err.value)
