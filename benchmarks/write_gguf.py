@@ -8,7 +8,7 @@ GGUF file in llama.cpp's layout, experts in GGUF types, so the very same file ca
 type, ffn_down in q6_K in the layers llama.cpp's use_more_bits picks: models/gguf_random.py). The experts are
 the synthetic model's random blocks as they are; the other matrices are written F16, norms and biases F32
 (what llama.cpp's converter keeps in full precision). The tokenizer is the synthetic model's (the demo BPE,
-padded to the preset's vocabulary) with pre-tokenizer 'gpt2'. ``--split-max-size 4G`` writes
+padded to the preset's vocabulary) with pre-tokenizer 'gpt-2' (llama.cpp's name for GPT-2's). ``--split-max-size 4G`` writes
 ``-0000K-of-0000N.gguf`` shards (llama.cpp's gguf-split naming). Tensors stream to the file one at a time.
 """
 
@@ -72,7 +72,7 @@ def _metadata(w, spec: ModelSpec, tokenizer_dir: Path) -> None:
     for t, i in vocab.items():
         tokens[i] = t
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
+    w.add_tokenizer_pre("gpt-2")  # llama.cpp's name for GPT-2's split regex (the demo BPE's ByteLevel one)
     w.add_token_list(tokens)
     w.add_token_types([gguf.TokenType.CONTROL if t in special else
                        gguf.TokenType.USER_DEFINED if t.startswith("[PAD") else gguf.TokenType.NORMAL for t in tokens])

@@ -36,7 +36,8 @@ _GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm
                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # tokenizer.ggml.pre -> the split regex before byte-level mapping (None: GPT-2's own, inside ByteLevel)
-PRE_SPLITS: dict[str, str | None] = {"default": None, "gpt2": None, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+# ("gpt-2" is llama.cpp's name for GPT-2's regex; "gpt2" accepted too)
+PRE_SPLITS: dict[str, str | None] = {"default": None, "gpt-2": None, "gpt2": None, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
                                      "llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "gpt-4o": _GPT4O_SPLIT}
 NFC_PRES = ("qwen2", "deepseek-r1-qwen")  # Qwen2's tokenizer.json normalizes to NFC first
 

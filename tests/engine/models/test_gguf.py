@@ -198,7 +198,7 @@ def test_expert_dtype_dtype_dequantizes_gguf_experts(cases, reference_tokens):
     assert greedy_generate(lm, PROMPT, 24) == reference_tokens["qwen3_moe"]
 
 
-@pytest.mark.parametrize("pre", ["qwen2", "gpt2"])
+@pytest.mark.parametrize("pre", ["qwen2", "gpt-2"])
 def test_tokenizer_matches_transformers_gguf_tokenizer(pre, cases, tmp_path):
     """The tokenizer built from tokenizer.ggml.* encodes like transformers' GGUF tokenizer and like the
     tokenizer.json the file was written from; the chat template and the end ids come along."""
@@ -222,7 +222,7 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(pre, cases, tmp_path):
         ids = ours.encode(text)
         assert ids == theirs.encode(text, add_special_tokens=False), text
         assert ours.decode(ids) == text
-        if pre == "gpt2":  # the demo tokenizer's own pre-tokenizer: the very ids of its tokenizer.json
+        if pre == "gpt-2":  # the demo tokenizer's own pre-tokenizer: the very ids of its tokenizer.json
             assert ids == original.encode(text)
     config = json.loads((tmp_path / "original" / "tokenizer_config.json").read_text())
     assert ours.tokenizer_config["chat_template"] == config["chat_template"]
