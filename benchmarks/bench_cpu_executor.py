@@ -4,7 +4,9 @@ Geometry (defaults): Qwen3-30B-A3B experts (D=2048, I=768, bf16, 9.4 MB each; --
 layer's bank per `--layers` rotated so no expert is re-read from cache. `--dtype mxfp4` is gpt-oss's
 format (packed e2m1 + E8M0 per 32, with its biases and clamped SwiGLU); give it gpt-oss-120b's geometry:
 `--dtype mxfp4 --hidden 2880 --intermediate 2880 --top-k 4 --experts 128` (13.1 MB per expert, ~4.25
-bits per weight); GB/s then counts MXFP4 bytes (packed values + scales) against the same read ceiling. Rounds interleave a read trial
+bits per weight); GB/s then counts MXFP4 bytes (packed values + scales) against the same read ceiling. A GGUF
+format (`--dtype q4_K`, `--dtype q4_K+q6_K`: gate_up+down, a Q4_K_M file's mix; q5_K, q6_K, q8_0, mxfp4_gguf)
+takes the blocks' bytes (scales inside) the same way. Rounds interleave a read trial
 (STREAM-style sum by the executor's own pinned pool) and a GEMV trial, so a noisy neighbour hits both;
 the best trial of each is reported. Target: executor >= 80% of the read ceiling (issue 4).
 With CUDA: c_sync = the fixed per-layer cost of submit + sync through pinned buffers (DeviceHandoff),
@@ -58,14 +60,16 @@ from services.engine.moe.banks import ExpertBanks, ExpertFormat
 from services.engine.moe.cpu_executor import CpuExecutor, default_num_threads
 from services.engine.moe.reference import ClampedSwiGLU
 from services.profiler.handoff_cost import measure_c_sync
-from services.profiler.random_banks import fill_mxfp4_
+from services.engine.moe.gguf_quant import dense_experts as gguf_dense_experts
+from services.engine.moe.gguf_quant import format_types
+from services.profiler.random_banks import fill_gguf_, fill_mxfp4_
 
 
 def activation_dtype(banks: ExpertBanks, fp8_activations: str = "bfloat16") -> torch.dtype:
     """The hidden states' dtype for these banks: theirs, or for FP8 experts ``fp8_activations`` (bf16:
     a bf16 model, the dpbf16 kernel; float32: an fp32 model, the exact fp32-input kernel)."""
     dtype = banks.layers[0].tensors["down"].dtype
-    if dtype == torch.uint8:  # mxfp4: gpt-oss's bf16 model
+    if dtype == torch.uint8:  # mxfp4 (gpt-oss) or GGUF: a bf16 model
         return torch.bfloat16
     return getattr(torch, fp8_activations) if dtype == torch.float8_e4m3fn else dtype
 
@@ -74,6 +78,11 @@ def make_banks(dtype: str, layers: int, E: int, D: int, I: int) -> ExpertBanks:
     """Random banks: bf16/fp32 uniform(-0.05, 0.05), fp8_block with random e4m3 codes (no NaN) and scales, or
     mxfp4 random bytes (every e2m1 code) with E8M0 scales in MX_SCALES and gpt-oss's zero biases / clamped
     SwiGLU (bf16 model), tiled from a pool (services/profiler/random_banks.py: why)."""
+    if format_types(dtype) is not None:  # a GGUF format (banks.py's GGUF entries), valid blocks from a pool
+        banks = ExpertBanks.allocate(ExpertFormat(dtype), layers, E, D, I, torch.bfloat16)
+        for layer in banks.layers:
+            fill_gguf_(layer.tensors, *format_types(dtype))
+        return banks
     if dtype == "mxfp4":
         banks = ExpertBanks.allocate(ExpertFormat.MXFP4, layers, E, D, I, torch.bfloat16, bias=True,
                                      activation=ClampedSwiGLU())
@@ -116,7 +125,9 @@ def check_output(ex: CpuExecutor, banks: ExpertBanks, A: int, dtype: torch.dtype
     out = ex.forward(0, hidden, chosen[None], weights)  # [1, D] fp32
     picked = [layer.tensors[s][chosen] if s in layer.tensors else None
               for s in ("gate_up", "down", "gate_up_scale", "down_scale")]
-    gate_up, down = dense_experts(layer.format, *picked, torch.float32)  # [A, 2I, D], [A, D, I]
+    gguf = format_types(layer.format)
+    gate_up, down = (gguf_dense_experts(*picked[:2], *gguf, torch.float32) if gguf is not None
+                     else dense_experts(layer.format, *picked, torch.float32))  # [A, 2I, D], [A, D, I]
     bias = None if layer.bias is None else tuple(b[chosen].float() for b in layer.bias)
     ref = moe_reference(hidden.float(), torch.arange(A)[None], weights, gate_up, down, banks.activation, bias)
     err = ((out - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
@@ -163,15 +174,27 @@ def cpu_roundtrip(ex: CpuExecutor, banks: ExpertBanks, A: int, routes: int, dtyp
     return statistics.median(times)
 
 
+DTYPES = ("bfloat16", "float32", "fp8", "mxfp4")
+
+
+def bank_dtype(text: str) -> str:
+    """--dtype: one of DTYPES or a GGUF format (q4_K, q4_K+q6_K, ...: gguf_quant.format_types)."""
+    if text in DTYPES or format_types(text) is not None:
+        return text
+    raise argparse.ArgumentTypeError(f"expected one of {', '.join(DTYPES)} or a GGUF format (a type of q4_K, q5_K, "
+                                     f"q6_K, q8_0, mxfp4_gguf, or gate_up+down such as q4_K+q6_K), got {text!r}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", type=int, default=128, help="experts per layer E (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=8, help="experts per token A (default: %(default)s)")
     p.add_argument("--hidden", type=int, default=2048, help="hidden size D (default: %(default)s)")
     p.add_argument("--intermediate", type=int, default=768, help="expert intermediate size I (default: %(default)s)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32", "fp8", "mxfp4"], default="bfloat16",
+    p.add_argument("--dtype", type=bank_dtype, default="bfloat16",
                    help="bank dtype; fp8 = the fp8_block format with bf16 activations, mxfp4 = gpt-oss's experts "
-                        "(biases, clamped SwiGLU, bf16 activations) (default: %(default)s)")
+                        "(biases, clamped SwiGLU, bf16 activations), or a GGUF format: q4_K, q5_K, q6_K, q8_0, "
+                        "mxfp4_gguf, or gate_up+down such as q4_K+q6_K (default: %(default)s)")
     p.add_argument("--fp8-activations", choices=["bfloat16", "float32"], default="bfloat16",
                    help="with --dtype fp8: the hidden states' dtype, bfloat16 (a bf16 model: the dpbf16 kernel) or "
                         "float32 (an fp32 model: the exact fp32-input kernel) (default: %(default)s)")

@@ -12,8 +12,11 @@ top-k of E uniformly at random per token (the synthetic models' routers); every 
 moe_reference in fp32 first (fp8: on the dequantized experts). ``--sweep`` times every candidate launch
 config of the GEMM per size and prints the best: what goes into kernels/moe_gemm.CONFIGS for a device.
 
-    python -m benchmarks.bench_moe_gemm [--tokens 1,4,8,16,32,64,256] [--fp8 | --mxfp4] [--gpt-oss] [--sweep]
-        [--json out.json]
+    python -m benchmarks.bench_moe_gemm [--tokens 1,4,8,16,32,64,256] [--fp8 | --mxfp4 | --gguf TYPES] [--gpt-oss]
+        [--sweep] [--json out.json]
+
+    # a Q4_K_M file's layer of Qwen3-30B-A3B: gate_up q4_K, down q6_K (GB/s of the blocks' bytes)
+    python -m benchmarks.bench_moe_gemm --gguf q4_K+q6_K
 
     # gpt-oss-120b's layer: MXFP4 experts, biases and the clamped SwiGLU, top-4 of 128
     python -m benchmarks.bench_moe_gemm --mxfp4 --gpt-oss --experts 128 --top-k 4 --hidden 2880 --inter 2880
@@ -33,6 +36,7 @@ from benchmarks.bench_gemv import graph_us
 from kernels.moe_gemm import GemmConfig, moe_gemm, pick_config
 from kernels.moe_gemv import moe_gemv
 from services.engine.models import mxfp4
+from services.engine.moe import gguf_quant
 from services.engine.moe.fp8 import dequantize, dequantize_gate_up, quantize, quantize_gate_up
 from services.engine.moe.reference import ClampedSwiGLU, moe_reference
 
@@ -56,6 +60,21 @@ def hbm_ceiling_GBs(nbytes: int = 2 << 30, reps: int = 10) -> float:
     return 2 * nbytes / (best * 1e-6) / GB
 
 
+GGUF_POOL = 8  # distinct GGUF experts quantized; the bank repeats them at distinct addresses (caches see E experts)
+
+
+def make_gguf_experts(E: int, D: int, I: int, types: tuple, g: torch.Generator) -> dict:
+    """GGUF banks gate_up [E, 2I, row_bytes(D)], down [E, D, row_bytes(I)] on the GPU: GGUF_POOL experts
+    quantized (gguf_quant.quantize: K-quants on the GPU, q8_0 / mxfp4 by gguf-py on the host), copied to fill E."""
+    n = min(E, GGUF_POOL)
+    dev = "cuda" if all(t in (gguf_quant.GGUFType.Q4_K, gguf_quant.GGUFType.Q5_K, gguf_quant.GGUFType.Q6_K)
+                        for t in types) else "cpu"
+    gate_up = gguf_quant.quantize((torch.randn(n, 2 * I, D, generator=g) / D ** 0.5).to(dev), types[0]).cuda()
+    down = gguf_quant.quantize((torch.randn(n, D, I, generator=g) / I ** 0.5).to(dev), types[1]).cuda()
+    pick = torch.arange(E, device="cuda") % n
+    return {"gate_up": gate_up[pick].contiguous(), "down": down[pick].contiguous()}
+
+
 def make_experts(E: int, D: int, I: int, fmt: str, g: torch.Generator) -> dict:
     gate_up = torch.randn(E, 2 * I, D, generator=g) / D ** 0.5
     down = torch.randn(E, D, I, generator=g) / I ** 0.5
@@ -69,7 +88,9 @@ def make_experts(E: int, D: int, I: int, fmt: str, g: torch.Generator) -> dict:
     return {"gate_up": qg.cuda(), "down": qd.cuda(), "gate_up_scale": sg.cuda(), "down_scale": sd.cuda()}
 
 
-def dense_fp32(banks: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def dense_fp32(banks: dict, gguf_types=None) -> tuple[torch.Tensor, torch.Tensor]:
+    if gguf_types is not None:
+        return gguf_quant.dense_experts(banks["gate_up"], banks["down"], *gguf_types, torch.float32)
     if banks["gate_up"].dtype == torch.uint8:  # mxfp4
         unpack = [(banks[w], banks[f"{w}_scale"]) for w in ("gate_up", "down")]
         return tuple(mxfp4.dequantize(q.reshape(*q.shape[:2], -1, 16), s, torch.float32) for q, s in unpack)
@@ -90,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     fmt.add_argument("--fp8", action="store_true", help="fp8_block experts (128x128 block scales) instead of bf16")
     fmt.add_argument("--mxfp4", action="store_true", help="MXFP4 experts (gpt-oss's packed e2m1 + E8M0 per 32) "
                                                          "instead of bf16; D and I multiples of 32")
+    fmt.add_argument("--gguf", metavar="TYPES", help="GGUF experts: one type for both banks or gate_up+down, "
+                                                    "of q4_K, q5_K, q6_K, q8_0, mxfp4_gguf (e.g. q4_K+q6_K)")
     p.add_argument("--gpt-oss", action="store_true", help="gpt-oss expert maths: per-expert biases and the clamped "
                                                          "SwiGLU (alpha 1.702, limit 7)")
     p.add_argument("--sweep", action="store_true", help="also time every candidate GEMM launch config per size")
@@ -105,19 +128,32 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         p.error(f"--tokens: expected a comma list of integers, got {args.tokens!r}")
     E, A, D, I = args.experts, args.top_k, args.hidden, args.inter
-    fmt_name = "fp8_block" if args.fp8 else "mxfp4" if args.mxfp4 else "bf16"
+    fmt_name = "fp8_block" if args.fp8 else "mxfp4" if args.mxfp4 else args.gguf if args.gguf else "bf16"
     if args.mxfp4 and (D % 32 or I % 32):
         p.error(f"--mxfp4: --hidden ({D}) and --inter ({I}) must be multiples of 32")
+    gguf_types = gguf_quant.format_types(args.gguf) if args.gguf else None
+    if args.gguf and gguf_types is None:
+        p.error(f"--gguf: expected a type or gate_up+down of {', '.join(t.value for t in gguf_quant.GGUFType)}, "
+                f"got {args.gguf!r}")
     g = torch.Generator().manual_seed(0)
-    banks = make_experts(E, D, I, "bf16" if fmt_name == "bf16" else "fp8" if args.fp8 else "mxfp4", g)
+    if gguf_types is not None:
+        try:
+            gguf_quant.row_bytes(gguf_types[0], D), gguf_quant.row_bytes(gguf_types[1], I)
+        except ValueError as e:
+            p.error(f"--gguf: {e}")
+        banks = make_gguf_experts(E, D, I, gguf_types, g)
+    else:
+        banks = make_experts(E, D, I, "bf16" if fmt_name == "bf16" else "fp8" if args.fp8 else "mxfp4", g)
     expert_bytes = sum(t[0].numel() * t.element_size() for t in banks.values())
-    dense = dense_fp32(banks)
+    dense = dense_fp32(banks, gguf_types)
     act = ClampedSwiGLU() if args.gpt_oss else None
     bias = ((torch.randn(E, 2 * I, generator=g).to("cuda", torch.bfloat16),
              torch.randn(E, D, generator=g).to("cuda", torch.bfloat16)) if args.gpt_oss else None)
     bias32 = None if bias is None else tuple(b.float() for b in bias)
     ceiling = hbm_ceiling_GBs()
     kw = {k: v for k, v in banks.items() if k.endswith("_scale")}
+    if gguf_types is not None:
+        kw["gguf_types"] = gguf_types
     rows = []
     for T in tqdm(token_counts, desc="tokens per step", file=sys.stderr):
         hidden = torch.randn(T, D, generator=g).to("cuda", torch.bfloat16)

@@ -26,7 +26,10 @@ tensor cores in x's dtype (exact: every e4m3 value is a bf16 value) and the part
 fp32 before it is accumulated. MXFP4 banks (uint8: packed e2m1 rows, one E8M0 byte per 32 values; the
 format of kernels/moe_gemv.py): ``_load_mx`` decodes a tile of bytes into its even and odd weights, scaled
 and exact in x's dtype (2 significant bits), and they meet x's even and odd columns in two dots, so
-nothing is interleaved; BLOCK_K is then a multiple of 32. gpt-oss experts: per-expert biases and the
+nothing is interleaved; BLOCK_K is then a multiple of 32. GGUF banks (uint8 blocks without scale banks,
+each bank's type named by ``gguf_types``, rows possibly padded: services/engine/moe/gguf_quant.py): kernels/gguf_dequant.gguf_values
+decodes each [BK, BN] tile in registers into x's dtype (constexpr GQ per bank: gate_up and down may
+differ), any BLOCK_K. gpt-oss experts: per-expert biases and the
 clamped SwiGLU (moe/reference.py).
 
 Triton specializes int arguments on ==1 and %16: the sizes that change per step (R) are
@@ -43,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gguf_dequant import gguf_geometry, gguf_values
 from kernels.moe_gemv import MX_BLOCK, _e2m1, _e8m0_scale
 
 SCALE_BLOCK = 128  # fp8_block: the edge of a scale's block (fp8.BLOCK)
@@ -213,7 +217,7 @@ def _gate_up_kernel(
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_act,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr,
     HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, IEEE: tl.constexpr,
-    MX: tl.constexpr,
+    MX: tl.constexpr, GQ: tl.constexpr,  # GQ: the GGUF type code of the bank (gguf_dequant), 0 = not GGUF
 ):
     m = tl.program_id(0)
     e = tl.load(tiles_ptr + m)
@@ -242,6 +246,15 @@ def _gate_up_kernel(
                 we, wo = _load_mx(w_base + I * stride_wn, s_base + I * stride_sn, offs_n, offs_kb, k0, mask_n,
                                   mask_kb, D // 2, stride_wn, stride_sn, CDT, BLOCK_K, BLOCK_N)
                 u = _dot(xe, we, IEEE) + _dot(xo, wo, IEEE)
+            elif GQ != 0:  # GGUF: [BK, BN] tiles of gate's rows and up's, decoded in registers
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mask_k = offs_k < D
+                x = tl.load(x_ptr + tok[:, None] * stride_x + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
+                            other=0.0)  # [BM, BK]
+                w_rows = w_base + offs_n[None, :].to(tl.int64) * stride_wn  # [1, BN] row pointers
+                wm = mask_k[:, None] & mask_n[None, :]
+                g = _dot(x, gguf_values(w_rows, offs_k[:, None], wm, GQ).to(CDT), IEEE)
+                u = _dot(x, gguf_values(w_rows + I * stride_wn, offs_k[:, None], wm, GQ).to(CDT), IEEE)
             else:
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 mask_k = offs_k < D
@@ -273,7 +286,7 @@ def _down_kernel(
     R, D, I,
     stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_y,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, MX: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, MX: tl.constexpr, GQ: tl.constexpr,
 ):
     m = tl.program_id(0)
     e = tl.load(tiles_ptr + m)
@@ -297,6 +310,13 @@ def _down_kernel(
                 we, wo = _load_mx(w_base, s_base, offs_n, offs_kb, k0, mask_n, mask_kb, I // 2, stride_wn, stride_sn,
                                   CDT, BLOCK_K, BLOCK_N)
                 part = _dot(ae, we, IEEE) + _dot(ao, wo, IEEE)
+            elif GQ != 0:  # GGUF rows of I values
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mask_k = offs_k < I
+                a = tl.load(act_ptr + rows[:, None] * stride_act + offs_k[None, :], mask=mask_k[None, :], other=0.0)
+                w = gguf_values(w_base + offs_n[None, :].to(tl.int64) * stride_wn, offs_k[:, None],
+                                mask_k[:, None] & mask_n[None, :], GQ)
+                part = _dot(a, w.to(CDT), IEEE)
             else:
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 mask_k = offs_k < I
@@ -326,13 +346,21 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, A, D, stride_y, stride_out, BLOCK: 
     tl.store(out_ptr + t * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(hidden, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale, bias):
+def _check(hidden, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale, bias, gguf_types):
     T, A = topk_ids.shape
     mx = gate_up.dtype == torch.uint8  # MXFP4: half a byte per weight
     E, two_i = gate_up.shape[:2]
     I = two_i // 2
     D = gate_up.shape[2] * (2 if mx else 1)
-    if hidden.shape != (T, D) or tuple(down.shape) != (E, D, I // 2 if mx else I) or topk_weights.shape != (T, A):
+    gq = (0, 0)
+    if mx and gate_up_scale is None and gguf_types is None:  # never guessed from the shape: rows may be padded
+        raise ValueError("moe_gemm: uint8 banks without scales are GGUF banks: pass gguf_types (MXFP4 banks: "
+                         "their gate_up_scale / down_scale)")
+    if gguf_types is not None:  # GGUF blocks: D from hidden, each bank's type named
+        D, I, *gq = gguf_geometry("moe_gemm", hidden, gate_up, down, gguf_types)
+        mx = False
+    if hidden.shape != (T, D) or topk_weights.shape != (T, A) or (not any(gq) and tuple(down.shape) != (
+            E, D, I // 2 if mx else I)):
         raise ValueError(f"moe_gemm: shapes hidden {tuple(hidden.shape)}, topk_ids {tuple(topk_ids.shape)}, "
                          f"topk_weights {tuple(topk_weights.shape)}, gate_up {tuple(gate_up.shape)}, "
                          f"down {tuple(down.shape)} do not match [T, D], [T, A], [T, A], [E, 2I, D], [E, D, I]")
@@ -348,28 +376,31 @@ def _check(hidden, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_sc
                              f"[E, 2I, D/32] = {(E, two_i, D // MX_BLOCK)}, [E, D, I/32] = {(E, D, I // MX_BLOCK)}")
     elif gate_up_scale is not None and (down_scale is None or gate_up_scale.shape != (E, 2 * nb, nd)
                                       or down_scale.shape != (E, nd, nb) or gate_up_scale.stride(2) != 1
-                                      or down_scale.stride(2) != 1):
+                                      or down_scale.stride(2) != 1) and not any(gq):
         raise ValueError(f"moe_gemm: fp8 scales gate_up_scale {tuple(gate_up_scale.shape)}, down_scale "
                          f"{None if down_scale is None else tuple(down_scale.shape)} do not match "
                          f"[E, 2*ceil(I/128), ceil(D/128)] = {(E, 2 * nb, nd)} and [E, ceil(D/128), ceil(I/128)]")
     if bias is not None and (bias[0].shape != (E, two_i) or bias[1].shape != (E, D)):
         raise ValueError(f"moe_gemm: biases {tuple(bias[0].shape)}, {tuple(bias[1].shape)} do not match "
                          f"[E, 2I] = {(E, two_i)} and [E, D] = {(E, D)}")
-    return T, A, E, D, I, nb
+    return T, A, E, D, I, nb, tuple(gq)
 
 
 def moe_gemm(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
              gate_up: torch.Tensor, down: torch.Tensor, act=None, bias: tuple[torch.Tensor, torch.Tensor] | None = None,
              gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
-             config: GemmConfig | None = None) -> torch.Tensor:
+             config: GemmConfig | None = None, gguf_types=None) -> torch.Tensor:
     """hidden [T, D] · topk_ids [T, A] int (-1 = skip) · topk_weights [T, A] · gate_up [E, 2I, D] ·
     down [E, D, I] · act: None (silu(gate) * up) or a ClampedSwiGLU · bias: (gate_up_bias [E, 2I],
     down_bias [E, D]) or None · FP8 banks: gate_up_scale [E, 2*ceil(I/128), ceil(D/128)] and down_scale
     [E, ceil(D/128), ceil(I/128)] fp32 · MXFP4 banks (told apart by their uint8 weights): gate_up [E, 2I, D/2],
-    down [E, D, I/2], gate_up_scale [E, 2I, D/32], down_scale [E, D, I/32] uint8 · config: a GemmConfig, default
+    down [E, D, I/2], gate_up_scale [E, 2I, D/32], down_scale [E, D, I/32] uint8 · GGUF banks: ``gguf_types``
+    = (gate_up's, down's) GGUFType or value (e.g. ("q4_K", "q6_K")), no scales, gate_up [E, 2I, >= row_bytes(D)]
+    and down [E, D, >= row_bytes(I)] uint8 (services/engine/moe/gguf_quant.py) · config: a GemmConfig, default
     from the table -> [T, D] in hidden's dtype (fp32 accumulation). Same contract as moe_reference."""
-    T, A, E, D, I, nb = _check(hidden, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale, bias)
-    mx = gate_up.dtype == torch.uint8
+    T, A, E, D, I, nb, (gq, dq) = _check(hidden, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale,
+                                         bias, gguf_types)
+    mx = gate_up.dtype == torch.uint8 and not gq
     fp8 = gate_up_scale is not None and not mx
     R = T * A
     cfg = config or pick_config(R, E, hidden.device)
@@ -394,7 +425,8 @@ def moe_gemm(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         act_buf.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FP8=fp8, SB=SCALE_BLOCK,
         HAS_BIAS=bias is not None, CLAMPED=act is not None, ALPHA=float(getattr(act, "alpha", 1.0)),
-        LIMIT=float(getattr(act, "limit", 0.0)), IEEE=ieee, MX=mx, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        LIMIT=float(getattr(act, "limit", 0.0)), IEEE=ieee, MX=mx, GQ=gq, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     weights = topk_weights.reshape(-1).contiguous()  # [R]
     _down_kernel[(NT, triton.cdiv(D, cfg.block_n2))](
@@ -402,7 +434,7 @@ def moe_gemm(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         R, D, I,
         act_buf.stride(0), down.stride(0), down.stride(1), ds.stride(0), ds.stride(1), bd.stride(0), y.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, FP8=fp8, SB=SCALE_BLOCK,
-        HAS_BIAS=bias is not None, IEEE=ieee, MX=mx, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_BIAS=bias is not None, IEEE=ieee, MX=mx, GQ=dq, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     out = torch.empty((T, D), dtype=hidden.dtype, device=dev)  # [T, D]
     _combine_kernel[(T, triton.cdiv(D, 256))](y, ids, out, A, D, y.stride(0), out.stride(0), BLOCK=256)

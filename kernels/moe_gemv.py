@@ -31,6 +31,13 @@ nibble's bits placed in an fp16 give the value exactly, times 2**-14), sum each 
 then multiply by the block's scale, built as an fp32 exponent field (exact). The even and odd weights of
 a byte meet x's even and odd elements, so nothing is interleaved. The reference is models/mxfp4.dequantize
 + moe_reference (tests/kernels/test_moe_gemv_gpt_oss.py, which also checks hand-computed values).
+
+GGUF experts (q4_K, q5_K, q6_K, q8_0, mxfp4_gguf: services/engine/moe/gguf_quant.py): uint8 banks of the
+file's blocks, no scale banks; the caller names each bank's type (``gguf_types``: gate_up and down may
+differ, Q4_K_M files hold q6_K down) and rows may be wider than the type needs (slots shared by layers of
+different types). kernels/gguf_dequant.gguf_row_dot decodes each row's blocks in registers, every quant
+byte loaded once and each sub-block's scale applied to its partial sum (constexpr QT per bank); the
+reference is gguf_quant.dequantize + moe_reference (tests/kernels/test_moe_gguf.py).
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.gguf_dequant import gguf_geometry, gguf_row_dot
 
 # Kernel 1 programs: (route, BLOCK_I rows of gate and of up). Qwen3-30B-A3B (I=768, D=2048), R=8:
 # 384 programs of 128 KiB of bf16 weights each — enough in flight to stream HBM on 132 SMs.
@@ -50,8 +59,9 @@ BLOCK_C = 256
 
 SCALE_BLOCK = 128  # fp8_block: the edge of a scale's block (fp8.BLOCK)
 MX_BLOCK = 32  # mxfp4: values per E8M0 scale (models/mxfp4.BLOCK); 16 bytes of packed e2m1
-# Weight formats (constexpr QUANT): bank dtype bf16/fp32, float8_e4m3fn + fp32 block scales, uint8 MXFP4
-PLAIN, FP8, MXFP4 = 0, 1, 2
+# Weight formats (constexpr QUANT): bank dtype bf16/fp32, float8_e4m3fn + fp32 block scales, uint8 MXFP4,
+# uint8 GGUF blocks (their type in the constexpr QT: kernels/gguf_dequant.py)
+PLAIN, FP8, MXFP4, GGUF = 0, 1, 2, 3
 
 
 @triton.jit
@@ -109,7 +119,7 @@ def _gate_up_act_kernel(
     stride_x, stride_ge, stride_gr, stride_act, stride_gse, stride_gsr, stride_gbe,
     # meta
     BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr, SB: tl.constexpr,
-    BIAS: tl.constexpr, CLAMP: tl.constexpr,
+    BIAS: tl.constexpr, CLAMP: tl.constexpr, QT: tl.constexpr,
 ):
     r = tl.program_id(0)
     offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I] rows of gate (and of up)
@@ -126,6 +136,10 @@ def _gate_up_act_kernel(
                                 D // 2, BLOCK_I, BLOCK_K // 2)
             acc_u = _mx_row_dot(base, sbase, offs_i + I, mask_i, stride_gr, stride_gsr, x_ptr + t * stride_x,
                                 D // 2, BLOCK_I, BLOCK_K // 2)
+        elif QUANT == 3:  # GGUF: gate's rows and up's (I rows further), blocks decoded in registers
+            rows = base + offs_i.to(tl.int64) * stride_gr  # [BLOCK_I] row pointers
+            acc_g = gguf_row_dot(rows, mask_i, x_ptr + t * stride_x, D, QT, BLOCK_I)
+            acc_u = gguf_row_dot(rows + I * stride_gr, mask_i, x_ptr + t * stride_x, D, QT, BLOCK_I)
         else:
             for k0 in range(0, D, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -165,6 +179,7 @@ def _down_kernel(
     stride_act, stride_de, stride_dr, stride_y, stride_dse, stride_dsr, stride_dbe,
     # meta
     BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr, SB: tl.constexpr, BIAS: tl.constexpr,
+    QT: tl.constexpr,
 ):
     r = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D] output rows
@@ -176,6 +191,8 @@ def _down_kernel(
         if QUANT == 2:  # MXFP4: I/2 bytes per row
             acc = _mx_row_dot(base, ds_ptr + e.to(tl.int64) * stride_dse, offs_d, mask_d, stride_dr, stride_dsr,
                               act_ptr + r * stride_act, I // 2, BLOCK_D, BLOCK_K // 2)
+        elif QUANT == 3:  # GGUF rows of I values
+            acc = gguf_row_dot(base + offs_d.to(tl.int64) * stride_dr, mask_d, act_ptr + r * stride_act, I, QT, BLOCK_D)
         else:
             for k0 in range(0, I, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -220,16 +237,23 @@ def _check_scales(gate_up_scale, down_scale, want_gu, want_d, what: str, layout:
 def moe_gemv(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
              gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
              down_scale: torch.Tensor | None = None, act=None,
-             bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+             bias: tuple[torch.Tensor, torch.Tensor] | None = None, gguf_types=None) -> torch.Tensor:
     """hidden [T, D] · topk_ids [T, A] int (-1 = skip) · topk_weights [T, A] · gate_up [E, 2I, D] ·
     down [E, D, I] -> [T, D] in hidden's dtype (fp32 accumulation). Same contract as moe_reference.
     FP8 banks: gate_up and down float8_e4m3fn with gate_up_scale [E, 2*ceil(I/128), ceil(D/128)] and
     down_scale [E, ceil(D/128), ceil(I/128)] fp32 (services/engine/moe/fp8.py).
     MXFP4 banks (told apart by their uint8 weights): gate_up [E, 2I, D/2] and down [E, D, I/2] packed
     e2m1, gate_up_scale [E, 2I, D/32] and down_scale [E, D, I/32] uint8 E8M0 (D and I multiples of 32).
+    GGUF banks (``gguf_types`` = (gate_up's, down's) GGUFType or its value, e.g. ("q4_K", "q6_K"); no
+    scales): gate_up [E, 2I, >= row_bytes(D)], down [E, D, >= row_bytes(I)] uint8 in the file's blocks.
     gpt-oss experts: ``act`` a ClampedSwiGLU (its alpha and limit are read), ``bias`` (gate_up_bias [E, 2I],
     down_bias [E, D])."""
     T, A = topk_ids.shape
+    if gguf_types is not None:
+        return _moe_gemv_gguf(hidden, topk_ids, topk_weights, gate_up, down, act, bias, gguf_types)
+    if gate_up.dtype == torch.uint8 and gate_up_scale is None:  # never guessed from the shape: rows may be padded
+        raise ValueError("moe_gemv: uint8 banks without scales are GGUF banks: pass gguf_types (MXFP4 banks: "
+                         "their gate_up_scale / down_scale)")
     mx = gate_up.dtype == torch.uint8
     E, two_i = gate_up.shape[:2]
     I = two_i // 2
@@ -246,7 +270,7 @@ def moe_gemv(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     if mx:
         if D % MX_BLOCK or I % MX_BLOCK or gate_up_scale is None:
             raise ValueError(f"moe_gemv: MXFP4 banks need D ({D}) and I ({I}) multiples of {MX_BLOCK} and "
-                             "gate_up_scale / down_scale")
+                             "gate_up_scale / down_scale (GGUF banks: gguf_types)")
         _check_scales(gate_up_scale, down_scale, (E, 2 * I, D // MX_BLOCK), (E, D, I // MX_BLOCK), "mxfp4",
                       "[E, 2I, D/32] and [E, D, I/32]")
         quant = MXFP4
@@ -275,15 +299,55 @@ def moe_gemv(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         hidden.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0), gs.stride(0), gs.stride(1),
         gb.stride(0),
         BLOCK_I=BLOCK_I, BLOCK_K=BLOCK_K1, QUANT=quant, SB=SCALE_BLOCK, BIAS=bias is not None, CLAMP=act is not None,
+        QT=0,
     )
     _down_kernel[(R, triton.cdiv(D, BLOCK_D))](
         inter, ids, weights, down, y, ds, db,
         D, I,
         inter.stride(0), down.stride(0), down.stride(1), y.stride(0), ds.stride(0), ds.stride(1), db.stride(0),
-        BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K2, QUANT=quant, SB=SCALE_BLOCK, BIAS=bias is not None,
+        BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K2, QUANT=quant, SB=SCALE_BLOCK, BIAS=bias is not None, QT=0,
     )
-    out = torch.empty((T, D), dtype=hidden.dtype, device=hidden.device)  # [T, D]
+    return _combine(y, T, A, D, hidden.dtype)
+
+
+def _combine(y: torch.Tensor, T: int, A: int, D: int, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.empty((T, D), dtype=dtype, device=y.device)  # [T, D]
     _combine_kernel[(T, triton.cdiv(D, BLOCK_C))](  # sum over the A routes + cast: one launch, not two
         y, out, A, D, y.stride(0), out.stride(0), BLOCK=BLOCK_C,
     )
     return out
+
+
+def _moe_gemv_gguf(hidden, topk_ids, topk_weights, gate_up, down, act, bias, gguf_types) -> torch.Tensor:
+    """moe_gemv on GGUF banks (its docstring): the same three kernels with QUANT=GGUF and each bank's QT."""
+    T, A = topk_ids.shape
+    D, I, gt, dt = gguf_geometry("moe_gemv", hidden, gate_up, down, gguf_types)
+    E = gate_up.shape[0]
+    if hidden.shape != (T, D) or topk_weights.shape != (T, A):
+        raise ValueError(f"moe_gemv: shapes hidden {tuple(hidden.shape)}, topk_ids {tuple(topk_ids.shape)}, "
+                         f"topk_weights {tuple(topk_weights.shape)} do not match [T, D], [T, A], [T, A]")
+    if bias is not None and (tuple(bias[0].shape) != (E, 2 * I) or tuple(bias[1].shape) != (E, D)
+                             or bias[0].stride(1) != 1 or bias[1].stride(1) != 1):
+        raise ValueError(f"moe_gemv: biases {tuple(bias[0].shape)}, {tuple(bias[1].shape)} do not match "
+                         f"[E, 2I] = {(E, 2 * I)} and [E, D] = {(E, D)} (contiguous last dimension)")
+    gb, db = bias if bias is not None else (gate_up, down)  # not read without biases
+    hidden = hidden.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()  # [R]
+    weights = topk_weights.reshape(-1).contiguous()  # [R]
+    R = ids.numel()
+    inter = torch.empty((R, I), dtype=torch.float32, device=hidden.device)  # [R, I] activations
+    y = torch.empty((R, D), dtype=torch.float32, device=hidden.device)  # [R, D]
+    _gate_up_act_kernel[(R, triton.cdiv(I, BLOCK_I))](
+        hidden, ids, gate_up, inter, gate_up, gb,
+        A, D, I, 0, float(act.alpha) if act is not None else 0.0, float(act.limit) if act is not None else 0.0,
+        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0), 0, 0, gb.stride(0),
+        BLOCK_I=BLOCK_I, BLOCK_K=BLOCK_K1, QUANT=GGUF, SB=SCALE_BLOCK, BIAS=bias is not None, CLAMP=act is not None,
+        QT=gt,
+    )
+    _down_kernel[(R, triton.cdiv(D, BLOCK_D))](
+        inter, ids, weights, down, y, down, db,
+        D, I,
+        inter.stride(0), down.stride(0), down.stride(1), y.stride(0), 0, 0, db.stride(0),
+        BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K2, QUANT=GGUF, SB=SCALE_BLOCK, BIAS=bias is not None, QT=dt,
+    )
+    return _combine(y, T, A, D, hidden.dtype)

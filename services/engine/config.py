@@ -74,7 +74,10 @@ DEFAULT_PREFILL_TOKENS = 16384
 
 @dataclass
 class EngineConfig:
-    model: str = field(env="TANDEM_MODEL", help="checkpoint directory (Hugging Face layout), 'demo', or 'synthetic:NAME[?layers=N]'")
+    model: str = field(env="TANDEM_MODEL", help="checkpoint directory (Hugging Face layout), a GGUF file "
+                       "(MODEL.gguf, or the first shard MODEL-00001-of-0000N.gguf: qwen3moe, qwen2moe, gpt-oss, "
+                       "olmoe, mixtral; experts kept in their q4_K/q5_K/q6_K/q8_0/mxfp4 blocks, docs/gguf.md), "
+                       "'demo', or 'synthetic:NAME[?layers=N&experts=TYPE]'")
     device: Device = field(Device.CPU, help="compute device")
     dtype: DType = field(DType.FLOAT32, help="weight and activation dtype")
     moe_expert_dtype: ExpertDType = field(ExpertDType.CHECKPOINT, help="routed experts' format: checkpoint (as "

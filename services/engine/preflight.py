@@ -28,6 +28,7 @@ from services.engine.config import EngineConfig, ExpertDType, MoEBackend
 from services.engine.models import synthetic
 from services.engine.models.causal_lm import MoECausalLM
 from services.engine.models.errors import LoaderError
+from services.engine.models.gguf_reader import is_gguf
 from services.engine.models.loader import check_tokenizer, check_weight_files, read_spec
 from services.engine.models.quant_config import checkpoint_format
 from services.engine.models.registry import DEMO, TORCH_DTYPES, torch_device
@@ -41,12 +42,16 @@ def check_model(config: EngineConfig) -> ModelSpec:
     """Raise ValueError (LoaderError for the checkpoint itself) naming why ``config.model`` cannot be
     served here; the model's spec otherwise."""
     device = torch_device(config)
-    if synthetic.is_synthetic(config.model):
+    stored = None
+    if is_gguf(config.model):
+        spec, stored = _check_gguf(config.model)
+    elif synthetic.is_synthetic(config.model):
         from tokenizers import Tokenizer
 
         synthetic.parse_name(config.model)  # a bad name is named before the tokenizer is written
         vocab = Tokenizer.from_file(str(synthetic.tokenizer_dir(config.model) / "tokenizer.json")).get_vocab_size()
         spec = synthetic.synthetic_spec(config.model, vocab)
+        stored = _widest(synthetic.expert_formats(config.model, spec), spec)
     else:
         if config.model == DEMO:
             from services.engine.models.demo import ensure_demo_checkpoint
@@ -63,16 +68,38 @@ def check_model(config: EngineConfig) -> ModelSpec:
         spec = read_spec(model_dir)
         check_tokenizer(model_dir)
         check_weight_files(model_dir)
-    check_fits(spec, config, device)
+    check_fits(spec, config, device, stored=stored)
     return spec
 
 
+def _check_gguf(model: str) -> tuple[ModelSpec, ExpertFormat]:
+    """A GGUF file's spec and its experts' widest format (what every layer's banks take), after reading
+    its metadata, every tensor's header, the expert types and the tokenizer (no weights)."""
+    from services.engine.models.gguf_loader import layer_format, read_spec as read_gguf_spec
+    from services.engine.models.gguf_reader import GGUFFile
+    from services.engine.models.gguf_tokenizer import tokenizer_json
+
+    f = GGUFFile(model)
+    spec = read_gguf_spec(f)
+    tokenizer_json(f)
+    return spec, _widest([layer_format(f, layer) for layer in spec.moe_layer_ids], spec)
+
+
+def _widest(formats: list[ExpertFormat], spec: ModelSpec) -> ExpertFormat:
+    """The format of the most bytes per expert among ``formats`` (the banks of every layer take its rows)."""
+    D, I = spec.hidden_size, spec.moe_intermediate_size
+    return max(formats or [ExpertFormat.UNQUANTIZED], key=lambda fmt: expert_nbytes(fmt, D, I, torch.float32))
+
+
 def check_fits(spec: ModelSpec, config: EngineConfig, device: torch.device,
-               host_available: int | None = None, device_free: int | None = None) -> None:
+               host_available: int | None = None, device_free: int | None = None,
+               stored: ExpertFormat | None = None) -> None:
     """ValueError when loading ``spec`` as ``config`` asks cannot fit this machine's memory.
-    ``host_available`` / ``device_free`` default to MemAvailable / CUDA's free memory."""
+    ``host_available`` / ``device_free`` default to MemAvailable / CUDA's free memory; ``stored``: the
+    experts' format in the file (default: what config.json's quantization_config says)."""
     dtype = TORCH_DTYPES[config.dtype]
-    stored = checkpoint_format(spec.extra, f"--model {config.model}: config.json")
+    if stored is None:
+        stored = checkpoint_format(spec.extra, f"--model {config.model}: config.json")
     held = {ExpertDType.FP8: ExpertFormat.FP8_BLOCK, ExpertDType.DTYPE: ExpertFormat.UNQUANTIZED}.get(
         config.moe_expert_dtype, stored)
     geom = CacheGeometry(spec.num_moe_layers, spec.num_experts, spec.top_k,

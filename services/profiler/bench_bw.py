@@ -4,6 +4,7 @@
     tandem bench bw --dtype bfloat16,float32 --model mixtral-8x7b --gpu GPU-3f2a... --seconds 2
     tandem bench bw --dtype bfloat16,fp8_block                 # also FP8 experts' rates (the engine reads the entry of its format)
     tandem bench bw --model synthetic:gpt-oss-120b --dtype bfloat16,mxfp4   # gpt-oss's MXFP4 experts
+    tandem bench bw --dtype bfloat16,q4_K,q4_K+q6_K,q8_0     # GGUF experts (a Q4_K_M file's layers: q4_K, q4_K+q6_K)
     tandem bench bw --profiles-dir /profiles          # the shared volume (default env TANDEM_PROFILES_DIR)
     tandem bench bw -o /tmp/p.json                    # this file instead of the profiles dir
 
@@ -57,8 +58,11 @@ def geometry(model: str) -> Geometry:
 
 # expert formats by their profile key (services/common/profiles.format_key): unquantized experts in a dtype,
 # fp8_block (FP8 experts of a bf16 model: the CPU executor's dpbf16 kernel, 4 banks per expert to copy) or
-# mxfp4 (gpt-oss's experts of a bf16 model: e2m1 + E8M0 per 32, biases, clamped SwiGLU; 6 banks to copy)
-DTYPES = ("bfloat16", "float32", "fp8_block", "mxfp4")
+# mxfp4 (gpt-oss's experts of a bf16 model: e2m1 + E8M0 per 32, biases, clamped SwiGLU; 6 banks to copy), or a
+# GGUF format (q4_K, ..., q4_K+q6_K: the file's blocks, 2 banks; a Q4_K_M model's engine reads the entry of its
+# most common layer format, services/engine/moe/hybrid_split.profile_format)
+GGUF_FORMATS = ("q4_K", "q5_K", "q6_K", "q8_0", "mxfp4_gguf", "q4_K+q6_K", "q5_K+q6_K")  # probes.GGUF_FORMATS (torch-free)
+DTYPES = ("bfloat16", "float32", "fp8_block", "mxfp4", *GGUF_FORMATS)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,7 +72,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"comma-separated expert formats to measure, from {', '.join(DTYPES)} (bfloat16/float32: "
                         "unquantized experts in that dtype; fp8_block: FP8 experts of a bf16 model; mxfp4: gpt-oss's "
                         "MXFP4 experts of a bf16 model, with their biases and clamped SwiGLU, which needs a --model "
-                        "whose hidden and expert intermediate sizes are multiples of 32); each is one entry of the "
+                        "whose hidden and expert intermediate sizes are multiples of 32; q4_K, q5_K, q6_K, q8_0, "
+                        "mxfp4_gguf, q4_K+q6_K, q5_K+q6_K: GGUF experts of a bf16 model, gate_up+down types, "
+                        "sizes whole blocks); each is one entry of the "
                         "profile, which the engine picks by its expert format (default: %(default)s)")
     p.add_argument("--model", default="synthetic:qwen3-30b-a3b",
                    help="geometry: a synthetic preset, 'synthetic:NAME[?layers=N]' or 'NAME' (default: %(default)s)")
@@ -224,13 +230,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tandem bench bw: --dtype {args.dtype!r}: unknown format(s) {bad}; choose from {', '.join(DTYPES)}",
               file=sys.stderr)
         return 2
-    if "mxfp4" in dtypes:
-        from services.engine.moe.banks import ExpertFormat, check_geometry
+    from services.engine.moe.banks import ExpertFormat, check_geometry
 
+    for name in (d for d in dtypes if d not in ("bfloat16", "float32")):
         try:
-            check_geometry(ExpertFormat.MXFP4, geo.hidden_size, geo.moe_intermediate_size)
+            check_geometry(ExpertFormat(name), geo.hidden_size, geo.moe_intermediate_size)
         except ValueError as ex:
-            print(f"tandem bench bw: --dtype mxfp4 with --model {args.model!r}: {ex}", file=sys.stderr)
+            print(f"tandem bench bw: --dtype {name} with --model {args.model!r}: {ex}", file=sys.stderr)
             return 2
     if args.seconds <= 0 or args.buffer_mib <= 0:
         print("tandem bench bw: --seconds and --buffer-mib must be positive", file=sys.stderr)

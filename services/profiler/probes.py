@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from services.common.logging import get_logger
-from services.engine.moe.banks import (BANK_SCHEMAS, BIAS_BANKS, SCALE_BANKS, ExpertFormat, check_geometry, host_bank,
+from services.engine.moe.banks import (BANK_SCHEMAS, BIAS_BANKS, GGUF_TYPES, SCALE_BANKS, ExpertFormat, check_geometry, host_bank,
                                        pin_host)
 from services.engine.moe.reference import ClampedSwiGLU
 
@@ -75,7 +75,9 @@ def cpu_read(buffer_bytes: int, cpus: list[int], seconds: float) -> float:
 
 # ------------------------------------------------------------------------------------------------ banks
 
-QUANTIZED = ("fp8_block", "mxfp4")  # expert formats of a bf16 model (banks.ExpertFormat values besides unquantized)
+# expert formats of a bf16 model (banks.ExpertFormat values besides unquantized): FP8, gpt-oss's MXFP4, and GGUF's
+GGUF_FORMATS = tuple(f.value for f in GGUF_TYPES)  # q4_K, ..., q4_K+q6_K (a Q4_K_M file's layers), ...
+QUANTIZED = ("fp8_block", "mxfp4", *GGUF_FORMATS)
 
 
 @dataclass
@@ -119,7 +121,9 @@ def make_bank(E: int, D: int, I: int, dtype: torch.dtype, pin: bool, huge_pages:
     """A bank in the memory the engine's host banks live in (banks.host_bank: huge pages unless
     ``huge_pages`` is False, pinned in place). ``fmt`` "fp8_block": e4m3 codes (random, finite) with
     block scales; "mxfp4": gpt-oss's experts (random bytes with E8M0 scales tiled from a pool:
-    random_banks.py, zero biases, the clamped SwiGLU; ValueError unless D and I are multiples of 32);
+    random_banks.py, zero biases, the clamped SwiGLU; ValueError unless D and I are multiples of 32); a GGUF
+    format ("q4_K", "q4_K+q6_K", ...): valid blocks repeated from a quantized pool (random_banks.fill_gguf_;
+    ValueError unless D and I are whole blocks);
     ``dtype`` is used by "unquantized" only."""
     biases, activation = {}, None
     if fmt == "fp8_block":
@@ -141,6 +145,13 @@ def make_bank(E: int, D: int, I: int, dtype: torch.dtype, pin: bool, huge_pages:
         gate_up, down = t.pop("gate_up"), t.pop("down")
         scales = {name: t.pop(name) for name in SCALE_BANKS[ExpertFormat.MXFP4]}
         biases, activation = t, ClampedSwiGLU()
+    elif fmt in GGUF_FORMATS:
+        from services.profiler.random_banks import fill_gguf_
+
+        check_geometry(ExpertFormat(fmt), D, I)
+        gate_up, down = (host_bank((E, *s.shape(D, I)), torch.uint8, huge_pages) for s in BANK_SCHEMAS[ExpertFormat(fmt)])
+        fill_gguf_({"gate_up": gate_up, "down": down}, *GGUF_TYPES[ExpertFormat(fmt)])
+        scales = {}
     elif fmt == "unquantized":
         gate_up = host_bank((E, 2 * I, D), dtype, huge_pages).normal_(0, 0.02)  # [E, 2I, D]
         down = host_bank((E, D, I), dtype, huge_pages).normal_(0, 0.02)  # [E, D, I]

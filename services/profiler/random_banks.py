@@ -41,3 +41,27 @@ def fill_mxfp4_(*layers: dict[str, torch.Tensor], seed: int = 0) -> None:
                 fill_tiled_(t, scales)
             else:
                 t.zero_()
+
+
+GGUF_POOL_ROWS = 509  # rows quantized per bank width; prime, so experts start at different pool rows
+
+
+def fill_gguf_(tensors: dict[str, torch.Tensor], gate_up_type, down_type, seed: int = 0) -> None:
+    """Fill one GGUF layer's banks (gate_up [E, 2I, W_gu], down [E, D, W_d] uint8, rows possibly padded) in
+    place with valid blocks: GGUF_POOL_ROWS rows of N(0, 0.02) values quantized to the bank's type
+    (gguf_quant.quantize), repeated row by row (random bytes would make NaN / huge fp16 scales). Any
+    other bank (biases) is zeroed."""
+    from services.engine.moe.gguf_quant import quantize, row_bytes
+
+    g = torch.Generator().manual_seed(seed)
+    D, I = tensors["down"].shape[1], tensors["gate_up"].shape[1] // 2
+    for name, t in tensors.items():
+        if name not in ("gate_up", "down"):
+            t.zero_()
+            continue
+        qtype, cols = (gate_up_type, D) if name == "gate_up" else (down_type, I)
+        pool = quantize(torch.randn(GGUF_POOL_ROWS, cols, generator=g) * 0.02, qtype)  # [P, row_bytes]
+        rows = t.view(-1, t.shape[-1])[:, :row_bytes(qtype, cols)]  # [E * rows, row_bytes]
+        for start in range(0, rows.shape[0], GGUF_POOL_ROWS):
+            chunk = rows[start:start + GGUF_POOL_ROWS]
+            chunk.copy_(pool[:chunk.shape[0]])

@@ -1,6 +1,6 @@
 """Compile kernels/moe_gemm.py's kernels for sm_90 with the Triton wheel's own ptxas, no GPU needed: bf16,
 fp8_block and mxfp4 weights, silu and gpt-oss (biases, clamped SwiGLU), every launch config of the default
-table; and kernels/moe_gemv.py's in the same formats. What the interpreter lets through but the compiler
+table; and kernels/moe_gemv.py's in the same formats; then both on each GGUF block type (silu, the table). What the interpreter lets through but the compiler
 rejects (a dot on a shape or dtype the tensor cores lack, a constexpr passed the wrong way) fails here. Run
 by test_compile_sm90.py in a process of its own (TRITON_INTERPRET unset); prints one line per compiled kernel."""
 
@@ -16,6 +16,7 @@ assert not os.environ.get("TRITON_INTERPRET"), "the compiler, not the interprete
 
 import kernels.moe_gemm as mg  # noqa: E402
 import kernels.moe_gemv as gv  # noqa: E402
+from services.engine.moe.gguf_quant import KERNEL_CODE  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # the H200
 
@@ -50,7 +51,7 @@ def main() -> None:
         for gpt_oss in (False, True):
             for cfg in mg.all_configs(torch.device("cpu")):  # the default table (what an untuned device gets)
                 common = {"SB": mg.SCALE_BLOCK, "FP8": fmt == "fp8", "MX": fmt == "mxfp4", "HAS_BIAS": gpt_oss,
-                          "IEEE": False, "BLOCK_M": cfg.block_m}
+                          "IEEE": False, "BLOCK_M": cfg.block_m, "GQ": 0}
                 n1 = compile_kernel(mg._gate_up_kernel,
                                     {"x_ptr": "*bf16", "routes_ptr": "*i32", "tiles_ptr": "*i32", "w_ptr": w,
                                      "s_ptr": s, "b_ptr": "*bf16", "act_ptr": "*bf16"},
@@ -69,13 +70,40 @@ def main() -> None:
                                 {"x_ptr": "*bf16", "ids_ptr": "*i64", "gate_up_ptr": w, "act_ptr": "*fp32",
                                  "gs_ptr": s, "gb_ptr": "*bf16", "alpha": "fp32", "limit": "fp32"},
                                 {"BLOCK_I": gv.BLOCK_I, "BLOCK_K": gv.BLOCK_K1, "QUANT": quant, "SB": gv.SCALE_BLOCK,
-                                 "BIAS": gpt_oss, "CLAMP": gpt_oss}, 4, 3)
+                                 "BIAS": gpt_oss, "CLAMP": gpt_oss, "QT": 0}, 4, 3)
             n2 = compile_kernel(gv._down_kernel,
                                 {"act_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32", "down_ptr": w,
                                  "y_ptr": "*fp32", "ds_ptr": s, "db_ptr": "*bf16"},
                                 {"BLOCK_D": gv.BLOCK_D, "BLOCK_K": gv.BLOCK_K2, "QUANT": quant, "SB": gv.SCALE_BLOCK,
-                                 "BIAS": gpt_oss}, 4, 3)
+                                 "BIAS": gpt_oss, "QT": 0}, 4, 3)
             print(f"gemv quant={quant} gpt_oss={gpt_oss}: {n1} {n2} bytes")
+    # GGUF banks (uint8 blocks, no scale banks): each type through the GEMM's table and the GEMV, silu
+    for qtype, code in KERNEL_CODE.items():
+        for cfg in mg.all_configs(torch.device("cpu")):
+            common = {"SB": mg.SCALE_BLOCK, "FP8": False, "MX": False, "HAS_BIAS": False, "IEEE": False,
+                      "BLOCK_M": cfg.block_m, "GQ": code}
+            n1 = compile_kernel(mg._gate_up_kernel,
+                                {"x_ptr": "*bf16", "routes_ptr": "*i32", "tiles_ptr": "*i32", "w_ptr": "*u8",
+                                 "s_ptr": "*u8", "b_ptr": "*u8", "act_ptr": "*bf16"},
+                                {**common, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "CLAMPED": False,
+                                 "ALPHA": 1.702, "LIMIT": 7.0}, cfg.num_warps, cfg.num_stages)
+            n2 = compile_kernel(mg._down_kernel,
+                                {"act_ptr": "*bf16", "routes_ptr": "*i32", "tiles_ptr": "*i32", "w_ptr": "*u8",
+                                 "s_ptr": "*u8", "b_ptr": "*u8", "rw_ptr": "*fp32", "y_ptr": "*fp32"},
+                                {**common, "BLOCK_N": cfg.block_n2, "BLOCK_K": cfg.block_k2},
+                                cfg.num_warps, cfg.num_stages)
+            print(f"gguf gate_up/down {qtype.value} m{cfg.block_m}: {n1} {n2} bytes")
+        n1 = compile_kernel(gv._gate_up_act_kernel,
+                            {"x_ptr": "*bf16", "ids_ptr": "*i64", "gate_up_ptr": "*u8", "act_ptr": "*fp32",
+                             "gs_ptr": "*u8", "gb_ptr": "*u8", "alpha": "fp32", "limit": "fp32"},
+                            {"BLOCK_I": gv.BLOCK_I, "BLOCK_K": gv.BLOCK_K1, "QUANT": gv.GGUF, "SB": gv.SCALE_BLOCK,
+                             "BIAS": False, "CLAMP": False, "QT": code}, 4, 3)
+        n2 = compile_kernel(gv._down_kernel,
+                            {"act_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32", "down_ptr": "*u8",
+                             "y_ptr": "*fp32", "ds_ptr": "*u8", "db_ptr": "*u8"},
+                            {"BLOCK_D": gv.BLOCK_D, "BLOCK_K": gv.BLOCK_K2, "QUANT": gv.GGUF, "SB": gv.SCALE_BLOCK,
+                             "BIAS": False, "QT": code}, 4, 3)
+        print(f"gguf gemv {qtype.value}: {n1} {n2} bytes")
 
 
 if __name__ == "__main__":

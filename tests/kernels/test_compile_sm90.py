@@ -36,4 +36,6 @@ def test_moe_gemm_kernels_compile_for_sm90(tmp_path):
     assert len(lines) == 3 * 2 * len(CONFIGS["default"])  # bf16/fp8/mxfp4 x silu/gpt-oss x the default table
     gemv = [x for x in done.stdout.split("\n") if x.startswith("gemv")]
     assert len(gemv) == 3 * 2  # bf16/fp8/mxfp4 x silu/gpt-oss
-    assert all(int(n) > 0 for x in lines + gemv for n in x.split(":")[1].split()[:2])
+    gguf = [x for x in done.stdout.split("\n") if x.startswith("gguf ")]
+    assert len(gguf) == 5 * (len(CONFIGS["default"]) + 1)  # q4_K/q5_K/q6_K/q8_0/mxfp4_gguf x (the table + the GEMV)
+    assert all(int(n) > 0 for x in lines + gemv + gguf for n in x.split(":")[1].split()[:2])

@@ -149,6 +149,45 @@ def test_mxfp4_refused_for_a_geometry_without_32_wide_blocks(tmp_path, capsys, m
     assert bench_bw.main([*FAST, "--model", "tiny-odd", "--dtype", "bfloat16", "--profiles-dir", str(tmp_path)]) == 0
 
 
+def test_gguf_bank_probes():
+    """GGUF banks: the file's uint8 blocks (no scale banks), random valid blocks tiled from a pool, bf16
+    activations; the torch kernel dequantizes them (gate_up and down of different types)."""
+    from services.engine.moe.banks import ExpertFormat, expert_nbytes
+
+    assert probes.GGUF_FORMATS == bench_bw.GGUF_FORMATS
+    E, D, I = 3, 256, 512
+    bank = probes.make_bank(E, D, I, torch.float32, pin=False, fmt="q4_K+q6_K")
+    assert bank.fmt == "q4_K+q6_K" and bank.act_dtype == torch.bfloat16 and list(bank.tensors) == ["gate_up", "down"]
+    assert bank.gate_up.shape == (E, 2 * I, 144) and bank.down.shape == (E, D, 2 * 210)
+    assert bank.expert_bytes == expert_nbytes(ExpertFormat.Q4_K_Q6_K, D, I, torch.bfloat16)
+    assert len(torch.unique(bank.gate_up)) == 256
+    kern = probes.CpuKernel(bank, 2, 1, impl="torch")
+    assert kern.step() == 2 * bank.expert_bytes and probes.cpu_kernel_bw(kern, 0.02) > 0
+
+
+def test_gguf_formats_are_measured_and_a_gguf_model_reads_its_most_common_layer_format(tmp_path):
+    """--dtype bfloat16,q8_0,mxfp4_gguf writes an entry per GGUF format; a model whose layers mix GGUF formats
+    (a Q4_K_M file: q4_K and q4_K+q6_K) reads its most common layer format's entry."""
+    from types import SimpleNamespace
+
+    from services.engine.moe import hybrid_split
+    from services.engine.moe.banks import ExpertBanks, ExpertFormat
+
+    assert bench_bw.main([*FAST, "--dtype", "bfloat16,q8_0,mxfp4_gguf", "--profiles-dir", str(tmp_path)]) == 0
+    profile = P.list_profiles(tmp_path)[0].profile
+    assert set(profile.kernels) == {"bfloat16", "q8_0", "mxfp4_gguf"}
+    assert profile.kernels["q8_0"].cpu_executor_bs1 > 0
+    formats = [ExpertFormat.Q4_K_Q6_K, ExpertFormat.Q4_K, ExpertFormat.Q4_K]
+    banks = ExpertBanks.allocate(formats, 3, 2, 256, 256, torch.bfloat16)
+    assert hybrid_split.profile_format(SimpleNamespace(dtype=torch.bfloat16, banks=banks)) == ("q4_K", "bfloat16")
+
+
+def test_gguf_k_type_refused_for_a_geometry_without_256_wide_blocks(tmp_path, capsys):
+    assert bench_bw.main([*FAST, "--dtype", "bfloat16,q4_K", "--profiles-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--dtype q4_K" in err[0] and "multiple of 256" in err[0]
+
+
 def test_geometry_from_the_synthetic_presets():
     g = bench_bw.geometry("synthetic:qwen3-30b-a3b")
     assert (g.num_layers, g.num_experts, g.top_k, g.hidden_size, g.moe_intermediate_size) == (48, 128, 8, 2048, 768)
@@ -165,7 +204,8 @@ def test_executor_is_the_real_cpu_kernel(tmp_path):
 
 
 @pytest.mark.slow  # builds the C++ executor extension when its cached build is stale
-@pytest.mark.parametrize("fmt,D,I", [("fp8_block", 256, 128), ("mxfp4", 128, 64)])
+@pytest.mark.parametrize("fmt,D,I", [("fp8_block", 256, 128), ("mxfp4", 128, 64), ("q4_K+q6_K", 256, 256),
+                                     ("q8_0", 64, 32)])
 def test_executor_measures_quantized_experts(fmt, D, I):
     """The executor's kernel of each quantized format runs on the probe's bank (mxfp4: with gpt-oss's biases
     and clamped SwiGLU, bf16 activations): the rate `bench bw --dtype FORMAT` writes."""

@@ -1,6 +1,7 @@
 """load_model: the one entry point from an EngineConfig to a runnable model.
 
-``config.model`` is a checkpoint directory, ``demo`` (the demo checkpoint, written on first use) or
+``config.model`` is a checkpoint directory, a GGUF file (``.gguf``, or one shard of a split one;
+models/gguf_loader.py), ``demo`` (the demo checkpoint, written on first use) or
 ``synthetic:NAME[?layers=N]`` (random weights in memory). The result holds the spec, the module on the
 device, the expert banks, the tokenizer directory and a model id; the configured expert backend is
 attached (``model.set_backend``) unless ``attach_backend=False``.
@@ -18,6 +19,7 @@ from services.common.logging import get_logger
 from services.engine.config import DType, EngineConfig, ExpertDType, MoEBackend
 from services.engine.models.causal_lm import MoECausalLM
 from services.engine.models.errors import LoaderError
+from services.engine.models.gguf_reader import is_gguf
 from services.engine.models.loader import load_checkpoint
 from services.engine.models.spec import ModelSpec
 from services.engine.models import synthetic
@@ -76,6 +78,8 @@ def load_model(config: EngineConfig, progress: Callable[[dict], None] | None = N
             config.model, _tokenizer_vocab(model_dir), device, dtype, config.seed,
             banks_device=device if on_device else None, progress=progress)
         model_id = config.model
+    elif is_gguf(config.model):
+        spec, model, banks, model_dir, model_id = _load_gguf(config.model, device, dtype, progress)
     else:
         if config.model == DEMO:
             from services.engine.models.demo import ensure_demo_checkpoint
@@ -92,9 +96,9 @@ def load_model(config: EngineConfig, progress: Callable[[dict], None] | None = N
         raise LoaderError(f"--moe-expert-dtype fp8: {spec.model_type}'s experts (biases, clamped SwiGLU) have no FP8 "
                           "path yet; serve them with --moe-expert-dtype checkpoint")
     stored = banks.layers[0].format if banks.layers else ExpertFormat.UNQUANTIZED
-    if config.moe_expert_dtype is ExpertDType.FP8 and stored is ExpertFormat.MXFP4:
-        raise LoaderError("--moe-expert-dtype fp8: the experts are MXFP4 (fewer bytes than FP8 already); serve them "
-                          "with --moe-expert-dtype checkpoint, or dtype to dequantize them")
+    if config.moe_expert_dtype is ExpertDType.FP8 and stored is not ExpertFormat.UNQUANTIZED:
+        raise LoaderError(f"--moe-expert-dtype fp8: the experts are {stored.value} already (a quantized format); serve "
+                          "them with --moe-expert-dtype checkpoint, or dtype to dequantize them")
     if config.moe_expert_dtype is ExpertDType.FP8 and stored is ExpertFormat.UNQUANTIZED:
         quantize_layers(banks.layers, progress, work_device=device if device.type == "cuda" else None)
     if config.moe_expert_dtype is ExpertDType.DTYPE:
@@ -106,6 +110,25 @@ def load_model(config: EngineConfig, progress: Callable[[dict], None] | None = N
     if progress is not None:
         progress({"phase": "ready", "done": 1, "total": 1, "fraction": 1.0})
     return loaded
+
+
+def gguf_model_id(path: Path) -> str:
+    """The id of a GGUF model: its file name without ``.gguf`` and a split suffix (``-00001-of-00003``)."""
+    import re
+
+    return re.sub(r"-\d{5}-of-\d{5}$", "", path.name[:-len(".gguf")])
+
+
+def _load_gguf(model: str, device: torch.device, dtype: torch.dtype, progress: Callable[[dict], None] | None):
+    """(spec, model, banks, tokenizer directory, model id) of a GGUF file; its tokenizer files are written
+    next to the demo checkpoint's cache (the engine and the gateway read them from a directory)."""
+    from services.engine.models.demo import default_demo_dir
+    from services.engine.models.gguf_loader import load_gguf
+    from services.engine.models.gguf_tokenizer import tokenizer_dir
+
+    path = Path(model).expanduser()
+    spec, net, banks, f = load_gguf(path, device, dtype, progress)
+    return spec, net, banks, tokenizer_dir(f, default_demo_dir().parent), gguf_model_id(path)
 
 
 def build_backend(loaded: LoadedModel, config: EngineConfig) -> ExpertBackend:

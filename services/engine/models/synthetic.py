@@ -1,7 +1,9 @@
 """Synthetic models: random weights made in memory with a real model's geometry
-(``--model synthetic:NAME[?layers=N&routing=R&seed=N]``), so benchmarks need no checkpoint on disk.
-``routing=sticky|moderate|flat|file:PATH`` makes them route like real model families (routing_presets.py,
-docs/routing.md); the init below is what ``uniform``, the default, measures.
+(``--model synthetic:NAME[?layers=N&routing=R&seed=N&experts=TYPE]``), so benchmarks need no checkpoint on
+disk. ``routing=sticky|moderate|flat|file:PATH`` makes them route like real model families (routing_presets.py,
+docs/routing.md); the init below is what ``uniform``, the default, measures. ``experts=TYPE`` keeps the experts
+in GGUF blocks (q4_K, q5_K, q6_K, q8_0, mxfp4_gguf, or llama.cpp's q4_K_M / q5_K_M mixes: models/gguf_random.py),
+random valid blocks of the same spread as the float init below.
 
 Presets are a table of Hugging Face config dicts; they go through the same ModelSpec.from_hf_config
 as a real checkpoint. Weights are filled in place bank by bank and layer by layer (no full-size
@@ -56,13 +58,15 @@ from tqdm import tqdm
 from services.common.logging import get_logger
 from services.engine.models.causal_lm import MoECausalLM
 from services.engine.models.errors import LoaderError
-from services.engine.models import mxfp4
+from services.engine.models import gguf_random, mxfp4
 from services.engine.models.loader import build_empty_model
 from services.engine.models.quant_config import checkpoint_format
 from services.engine.models.spec import ModelSpec
 from services.engine.moe import routing_presets
+from services.engine.moe.banks import (GGUF_TYPES, ExpertBanks, ExpertFormat, LayerBanks, bank_shapes, check_geometry,
+                                       gguf_format)
+from services.engine.moe.gguf_quant import row_bytes as gguf_row_bytes
 from services.engine.moe.routing_presets import SyntheticRouting
-from services.engine.moe.banks import BANK_SCHEMAS, BIAS_BANKS, ExpertBanks, ExpertFormat, LayerBanks
 
 log = get_logger("synthetic")
 
@@ -115,11 +119,11 @@ def is_synthetic(model: str) -> bool:
     return model.startswith(PREFIX)
 
 
-OPTIONS = "layers=N, routing=uniform|sticky|moderate|flat|file:PATH, seed=N"
+OPTIONS = "layers=N, routing=uniform|sticky|moderate|flat|file:PATH, seed=N, experts=TYPE"
 
 
 def parse_options(model: str) -> tuple[str, dict[str, str]]:
-    """'synthetic:NAME[?layers=N&routing=R&seed=N]' -> (NAME, its options as given)."""
+    """'synthetic:NAME[?layers=N&routing=R&seed=N&experts=TYPE]' -> (NAME, its options as given)."""
     name, _, query = model[len(PREFIX):].partition("?")
     if name not in PRESETS:
         raise LoaderError(f"--model {model}: unknown synthetic preset {name!r} (presets: {', '.join(PRESETS)})")
@@ -129,11 +133,14 @@ def parse_options(model: str) -> tuple[str, dict[str, str]]:
         raise LoaderError(f"--model {model}: options must read key=value&... ({OPTIONS})") from None
     options = {key: values[-1] for key, values in pairs.items()}
     for key, value in options.items():
-        if key not in ("layers", "routing", "seed"):
+        if key not in ("layers", "routing", "seed", "experts"):
             raise LoaderError(f"--model {model}: unknown option {key!r} (options: {OPTIONS})")
         if key in ("layers", "seed") and not (value.isdigit() and (int(value) > 0 or key == "seed")):
             raise LoaderError(f"--model {model}: {key} must be a {'positive' if key == 'layers' else 'non-negative'} "
                               f"integer, got {value!r}")
+    gguf_types = gguf_random.SINGLE_TYPES + tuple(gguf_random.MIXES)
+    if options.get("experts", gguf_types[0]) not in gguf_types:
+        raise LoaderError(f"--model {model}: experts must be one of {', '.join(gguf_types)}, got {options['experts']!r}")
     if options.get("routing", "uniform").partition(":")[0] not in (*routing_presets.NAMES, "file"):
         raise LoaderError(f"--model {model}: routing={options['routing']!r}: expected one of "
                           f"{', '.join(routing_presets.NAMES)} or file:PATH")
@@ -155,6 +162,21 @@ def synthetic_routing(model: str, spec: ModelSpec, device: torch.device) -> Synt
     if tables is None:
         return None
     return SyntheticRouting(tables, value, seed, spec.top_k, spec.renormalize, device)
+
+
+def expert_formats(model: str, spec: ModelSpec) -> list[ExpertFormat]:
+    """Per MoE layer, the bank format of synthetic model ``model`` (LoaderError when its geometry cannot
+    hold the GGUF type asked for)."""
+    experts = parse_options(model)[1].get("experts")
+    if experts is None:
+        return [checkpoint_format(spec.extra, f"synthetic preset {model!r}")] * spec.num_moe_layers
+    formats = [gguf_format(gu, dn) for gu, dn in gguf_random.layer_types(experts, spec.num_moe_layers)]
+    for fmt in dict.fromkeys(formats):
+        try:
+            check_geometry(fmt, spec.hidden_size, spec.moe_intermediate_size)
+        except ValueError as e:
+            raise LoaderError(f"--model {model}: {e}") from None
+    return formats
 
 
 def synthetic_spec(model: str, tokenizer_vocab: int) -> ModelSpec:
@@ -227,22 +249,28 @@ def build_synthetic(model: str, tokenizer_vocab: int, device: torch.device, dtyp
             else:
                 _fill_(p, param_std(name, spec), gen)
         D, I, E = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
-        fmt = checkpoint_format(spec.extra, f"synthetic preset {model!r}")
+        formats = expert_formats(model, spec)
         total = spec.num_moe_layers
         if banks_device is None:
             # host banks of a CUDA model are pinned before they are filled (an offloading backend pins them
             # anyway): the GPU-made weights then come down by DMA at PCIe speed, not through pageable staging
-            banks = ExpertBanks.allocate(fmt, total, E, D, I, dtype, pin=device.type == "cuda", bias=spec.expert_bias,
-                                         activation=spec.expert_activation)
+            banks = ExpertBanks.allocate(formats, total, E, D, I, dtype, pin=device.type == "cuda",
+                                         bias=spec.expert_bias, activation=spec.expert_activation)
         else:
-            schema = BANK_SCHEMAS[fmt] + (BIAS_BANKS if spec.expert_bias else ())
-            banks = ExpertBanks([LayerBanks(fmt, {b.name: torch.empty((E, *b.shape(D, I)), dtype=b.dtype or dtype,
-                                                                        device=banks_device) for b in schema})
-                                 for _ in range(total)], spec.expert_activation)
+            shapes = bank_shapes(formats, D, I, dtype, spec.expert_bias)
+            banks = ExpertBanks([LayerBanks(fmt, {name: torch.empty((E, *shape), dtype=dt, device=banks_device)
+                                                  for name, (shape, dt) in shapes.items()})
+                                 for fmt in formats], spec.expert_activation)
         for n, layer in enumerate(tqdm(banks.layers, desc=f"building {model}", unit="layer", leave=False)):
+            fmt = layer.format
             for name, t in layer.tensors.items():
                 if name.endswith("_bias"):  # biases 0, like every other bias here
                     t.zero_()
+                elif fmt in GGUF_TYPES:  # random blocks of the float init's spread; a wider row's rest zero
+                    qtype = GGUF_TYPES[fmt][0 if name == "gate_up" else 1]
+                    used = gguf_row_bytes(qtype, D if name == "gate_up" else I)
+                    t[..., used:].zero_()
+                    gguf_random.random_blocks_(t[..., :used], qtype, param_std(f"experts.{name}", spec), gen)
                 elif fmt is ExpertFormat.MXFP4:
                     if not name.endswith("_scale"):  # the scale banks are written with their weights
                         _fill_mxfp4_(t, layer.tensors[name + "_scale"], param_std(f"experts.{name}", spec), gen)

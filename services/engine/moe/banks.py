@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from services.common.logging import get_logger
+from services.engine.moe.gguf_quant import BLOCK, GGUFType, row_bytes
 from services.engine.moe.reference import ClampedSwiGLU
 
 log = get_logger("moe.banks")
@@ -39,6 +40,36 @@ class ExpertFormat(str, enum.Enum):
     # OCP MXFP4 as gpt-oss checkpoints ship their experts: e2m1 values packed two per byte with one E8M0
     # exponent byte per 32 consecutive values of a row (services/engine/models/mxfp4.py)
     MXFP4 = "mxfp4"
+    # GGUF (llama.cpp) block types kept as the file stores them (docs/gguf.md): uint8 banks, per row of a
+    # matrix that row's blocks, each block carrying its own scales (no scale banks). The name gives the
+    # types of gate_up and down: a Q4_K_M file's layers are q4_K (down in q4_K too) or q4_K+q6_K.
+    Q4_K = "q4_K"
+    Q5_K = "q5_K"
+    Q6_K = "q6_K"
+    Q8_0 = "q8_0"
+    MXFP4_GGUF = "mxfp4_gguf"  # MXFP4 in GGUF's 17-byte blocks (E8M0 byte, then 16 bytes of e2m1 pairs)
+    Q4_K_Q6_K = "q4_K+q6_K"
+    Q5_K_Q6_K = "q5_K+q6_K"
+
+
+# per GGUF format, the types of (gate_up, down) (services/engine/moe/gguf_quant.py: block layouts, row bytes)
+_Q4K, _Q5K, _Q6K, _Q80, _MX = GGUFType.Q4_K, GGUFType.Q5_K, GGUFType.Q6_K, GGUFType.Q8_0, GGUFType.MXFP4
+GGUF_TYPES: dict[ExpertFormat, tuple[GGUFType, GGUFType]] = {
+    ExpertFormat.Q4_K: (_Q4K, _Q4K), ExpertFormat.Q5_K: (_Q5K, _Q5K), ExpertFormat.Q6_K: (_Q6K, _Q6K),
+    ExpertFormat.Q8_0: (_Q80, _Q80), ExpertFormat.MXFP4_GGUF: (_MX, _MX),
+    ExpertFormat.Q4_K_Q6_K: (_Q4K, _Q6K), ExpertFormat.Q5_K_Q6_K: (_Q5K, _Q6K),
+}
+
+
+def gguf_format(gate_up: GGUFType | str, down: GGUFType | str) -> ExpertFormat:
+    """The format of experts whose gate_up is in GGUF type ``gate_up`` and down in ``down``; ValueError
+    naming the supported pairs otherwise."""
+    for fmt, types in GGUF_TYPES.items():
+        if types == (GGUFType(gate_up), GGUFType(down)):
+            return fmt
+    pairs = ", ".join("/".join(t.value for t in types) for types in GGUF_TYPES.values())
+    raise ValueError(f"experts with gate/up in {gate_up} and down in {down} are not supported "
+                     f"(supported gate_up/down types: {pairs})")
 
 
 @dataclass(frozen=True)
@@ -69,6 +100,10 @@ BANK_SCHEMAS: dict[ExpertFormat, tuple[BankSpec, ...]] = {
         BankSpec("gate_up_scale", lambda D, I: (2 * I, D // 32), torch.uint8),  # E8M0: 2**(s - 127)
         BankSpec("down_scale", lambda D, I: (D, I // 32), torch.uint8),
     ),
+    # GGUF formats: gate_up [2I, row bytes of D values] (rows [0, I) gate, [I, 2I) up), down [D, row bytes of I]
+    **{fmt: (BankSpec("gate_up", lambda D, I, t=gu: (2 * I, row_bytes(t, D)), torch.uint8),
+             BankSpec("down", lambda D, I, t=dn: (D, row_bytes(t, I)), torch.uint8))
+       for fmt, (gu, dn) in GGUF_TYPES.items()},
 }
 
 # the banks that hold a format's scales (beside the weights gate_up / down), by format: what a compute
@@ -78,6 +113,7 @@ SCALE_BANKS: dict[ExpertFormat, tuple[str, ...]] = {
     ExpertFormat.UNQUANTIZED: (),
     ExpertFormat.FP8_BLOCK: ("gate_up_scale", "down_scale"),
     ExpertFormat.MXFP4: ("gate_up_scale", "down_scale"),
+    **{fmt: () for fmt in GGUF_TYPES},  # GGUF blocks carry their scales inside
 }
 
 # Experts with biases (gpt-oss) have these banks too, whatever the weight format; in the model dtype.
@@ -96,11 +132,30 @@ def check_geometry(fmt: ExpertFormat, D: int, I: int) -> None:
     if fmt is ExpertFormat.MXFP4 and (D % 32 or I % 32):
         raise ValueError(f"mxfp4 expert banks need the hidden size ({D}) and the expert intermediate size ({I}) "
                          "to be multiples of 32 (one E8M0 scale per 32 values)")
+    for qtype, cols, what in zip(GGUF_TYPES.get(fmt, ()), (D, I), ("hidden size", "expert intermediate size")):
+        if cols % BLOCK[qtype][0]:
+            raise ValueError(f"{qtype.value} expert banks need the {what} ({cols}) to be a multiple of "
+                             f"{BLOCK[qtype][0]} (one {qtype.value} block)")
 
 
 def expert_nbytes(fmt: ExpertFormat, D: int, I: int, dtype: torch.dtype) -> int:
     """Bytes of one expert across the banks of ``fmt`` (``dtype``: the model dtype, for unquantized banks)."""
     return sum(math.prod(s.shape(D, I)) * (s.dtype or dtype).itemsize for s in BANK_SCHEMAS[fmt])
+
+
+def bank_shapes(formats, D: int, I: int, dtype: torch.dtype, bias: bool = False) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Per bank name, the per-expert shape and dtype of banks that hold layers of any of ``formats``: each
+    dimension the largest any format needs (GGUF layers of different types share the widest row)."""
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for f in dict.fromkeys(formats):
+        check_geometry(f, D, I)
+        for s in BANK_SCHEMAS[f] + (BIAS_BANKS if bias else ()):
+            shape, old = s.shape(D, I), shapes.get(s.name)
+            if old is not None and (old[1] != (s.dtype or dtype) or len(old[0]) != len(shape)):
+                raise ValueError(f"expert banks: layer formats {sorted({x.value for x in formats})} disagree "
+                                 f"on bank {s.name!r}")
+            shapes[s.name] = (shape if old is None else tuple(map(max, old[0], shape)), s.dtype or dtype)
+    return shapes
 
 
 @dataclass
@@ -137,16 +192,20 @@ class ExpertBanks:
     activation: ClampedSwiGLU | None = None  # gpt-oss's clamped SwiGLU; None: silu(gate) * up
 
     @staticmethod
-    def allocate(fmt: ExpertFormat, num_layers: int, E: int, D: int, I: int, dtype: torch.dtype,
-                 pin: bool = False, bias: bool = False, activation: ClampedSwiGLU | None = None) -> "ExpertBanks":
+    def allocate(fmt: ExpertFormat | list[ExpertFormat], num_layers: int, E: int, D: int, I: int,
+                 dtype: torch.dtype, pin: bool = False, bias: bool = False,
+                 activation: ClampedSwiGLU | None = None) -> "ExpertBanks":
         """Empty host banks to be filled by a loader (``host_bank`` memory; pinned now with ``pin``, else
-        later by pin_banks, in place). ``bias``: add the BIAS_BANKS."""
-        check_geometry(fmt, D, I)
-        layers = []
-        schema = BANK_SCHEMAS[fmt] + (BIAS_BANKS if bias else ())
-        for _ in range(num_layers):
-            tensors = {s.name: host_bank((E, *s.shape(D, I)), s.dtype or dtype) for s in schema}
-            layers.append(LayerBanks(fmt, tensors))
+        later by pin_banks, in place). ``bias``: add the BIAS_BANKS. ``fmt``: one format, or one per layer
+        (GGUF files mix types across layers: a Q4_K_M file's down is q6_K in some, q4_K in others); every
+        layer's banks then take the widest row of any layer, so the slot cache's slots (one shape for all
+        layers) hold an expert of any layer; a layer's format says how many bytes of a row it uses."""
+        formats = [fmt] * num_layers if isinstance(fmt, ExpertFormat) else list(fmt)
+        if len(formats) != num_layers:
+            raise ValueError(f"expert banks: {len(formats)} formats for {num_layers} layers")
+        shapes = bank_shapes(formats, D, I, dtype, bias)
+        layers = [LayerBanks(f, {name: host_bank((E, *shape), dt) for name, (shape, dt) in shapes.items()})
+                  for f in formats]
         banks = ExpertBanks(layers, activation)
         if pin:
             pin_banks(banks)

@@ -30,11 +30,12 @@ import torch
 from services.common.logging import get_logger
 from services.common.settings import env
 from services.engine.moe.banks import ExpertBanks, LayerBanks
+from services.engine.moe.gguf_quant import KERNEL_CODE, format_types
 
 log = get_logger("engine.cpu_executor")
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("executor.cpp", "gemv.cpp")
+_SOURCES = ("executor.cpp", "gemv.cpp", "gguf_gemv.cpp")
 _EXTENSION = None
 
 
@@ -224,7 +225,9 @@ class CpuExecutor:
     ``out [T, D]`` fp32 = sum over routes with id >= 0 of weight * SwiGLU expert(hidden[t]). Banks are
     read in place (bf16, fp32, fp8_block: e4m3 weights widened in registers, one fp32 scale per 128x128
     block applied to each block's partial sum, or mxfp4: e2m1 nibbles decoded through a table, one E8M0
-    scale per 32 values; biases and the clamped SwiGLU for gpt-oss). One job in flight at a time.
+    scale per 32 values, or GGUF blocks (q4_K, q5_K, q6_K, q8_0, mxfp4_gguf: uint8 banks without scale
+    banks, each bank's type told by its row bytes, gate_up and down may differ), each block decoded once
+    per row pass; biases and the clamped SwiGLU for gpt-oss). One job in flight at a time.
     """
 
     SPIN_US_SPARE_CORE = 5000  # a decode layer's gap between CPU jobs is ~0.1-1 ms: spin through it
@@ -253,6 +256,11 @@ class CpuExecutor:
         self._impl = ext.Executor(self.worker_cpus, n, spin_us, isa)
         self._tids = _worker_tids() - others  # this pool's workers (named before the constructor returns)
         self.banks = banks
+        gguf = [(lb.tensors["gate_up"], format_types(lb.format)) for lb in banks.layers]
+        gguf = [(gu, types) for gu, types in gguf if types is not None]
+        if gguf:  # GGUF layers: the types of gate_up and down per layer (rows may be padded: never guessed)
+            self._impl.set_gguf_layers([gu for gu, _ in gguf], [KERNEL_CODE[t[0]] for _, t in gguf],
+                                       [KERNEL_CODE[t[1]] for _, t in gguf])
         if not banks.plain_swiglu:  # gpt-oss: expert biases and the clamped SwiGLU, set once per layer bank
             act = banks.activation
             self._impl.set_expert_math([lb.tensors["gate_up"] for lb in banks.layers],

@@ -17,7 +17,8 @@ from tqdm import tqdm
 from services.common.logging import get_logger
 from services.engine.models import mxfp4
 from services.engine.moe import fp8
-from services.engine.moe.banks import BANK_SCHEMAS, ExpertFormat, host_bank
+from services.engine.moe import gguf_quant
+from services.engine.moe.banks import BANK_SCHEMAS, GGUF_TYPES, ExpertFormat, host_bank
 
 log = get_logger("moe.dequant")
 
@@ -31,6 +32,12 @@ def check_banks(fmt: ExpertFormat, gate_up: torch.Tensor, down: torch.Tensor, ga
     quantized formats), else ValueError: kernels that tell formats by dtype (kernels/moe_gemv.py) then
     agree with the format."""
     fmt = ExpertFormat(fmt)
+    if fmt in GGUF_TYPES:
+        if gate_up_scale is not None or down_scale is not None:
+            raise ValueError(f"{fmt.value} expert banks carry their scales in their blocks: no scale banks")
+        if gate_up.dtype != torch.uint8 or down.dtype != torch.uint8:
+            raise ValueError(f"{fmt.value} expert banks are uint8 blocks, got {gate_up.dtype} and {down.dtype}")
+        return fmt
     if fmt is ExpertFormat.UNQUANTIZED:
         if gate_up_scale is not None or down_scale is not None:
             raise ValueError("unquantized expert banks come without scale banks")
@@ -58,6 +65,10 @@ def dense_experts(fmt: ExpertFormat, gate_up: torch.Tensor, down: torch.Tensor, 
         return gate_up.to(dtype), down.to(dtype)
     if fmt is ExpertFormat.FP8_BLOCK:
         return fp8.dense_experts(gate_up, down, gate_up_scale, down_scale, dtype)
+    if fmt in GGUF_TYPES:  # rows may be wider than the layer's types need (banks.bank_shapes): read their start
+        (gu_type, down_type), D, I = GGUF_TYPES[fmt], down.shape[-2], gate_up.shape[-2] // 2
+        return (gguf_quant.dequantize(gate_up[..., :gguf_quant.row_bytes(gu_type, D)], gu_type, D).to(dtype),
+                gguf_quant.dequantize(down[..., :gguf_quant.row_bytes(down_type, I)], down_type, I).to(dtype))
     return mxfp4.dense_experts(gate_up, down, gate_up_scale, down_scale, dtype)
 
 
@@ -76,7 +87,7 @@ def dequantize_layers(layers, dtype: torch.dtype, progress: Callable[[dict], Non
     with tqdm(total=len(todo), desc=f"dequantizing {fmt.value} experts", unit="layer", leave=False) as bar:
         for done, layer in enumerate(todo, 1):
             t = layer.tensors
-            E, D, I = t["down"].shape[0], t["down"].shape[1], t["gate_up"].shape[1] // 2
+            E, D, I = t["down"].shape[0], t["down"].shape[1], t["gate_up"].shape[1] // 2  # rows: any format
             fresh = {}
             for spec in BANK_SCHEMAS[ExpertFormat.UNQUANTIZED]:
                 shape = (E, *spec.shape(D, I))
@@ -84,8 +95,8 @@ def dequantize_layers(layers, dtype: torch.dtype, progress: Callable[[dict], Non
                                     else torch.empty(shape, dtype=dtype, device=t["down"].device))
             for e in range(0, E, DEQUANT_CHUNK):
                 c = slice(e, e + DEQUANT_CHUNK)
-                gu, d = dense_experts(layer.format, t["gate_up"][c], t["down"][c], t["gate_up_scale"][c],
-                                      t["down_scale"][c], dtype)
+                scales = [t[name][c] if name in t else None for name in ("gate_up_scale", "down_scale")]
+                gu, d = dense_experts(layer.format, t["gate_up"][c], t["down"][c], *scales, dtype)
                 fresh["gate_up"][c].copy_(gu)
                 fresh["down"][c].copy_(d)
             for name in ("gate_up_bias", "down_bias"):  # gpt-oss: the bias banks stay as they are

@@ -159,9 +159,9 @@ class HybridBackend(HybridSplitControl, HybridMeasurement):
         marks.append((t0, self._mark(moe_layer, 1)))
         prefetch = self._prefetch_reserve(moe_layer, hidden, topk_ids)
         # CPU routes have slot -1, which the GPU kernels skip (no weight masking needed: 3 launches saved)
-        slots = self.cache.slot_banks  # gate_up, down (+ the format's scale banks: offload.scales)
+        slots = self.cache.slot_banks  # gate_up, down (+ the format's scale banks: offload.layer_scales)
         part = moe_compute(hidden, slot_ids, topk_weights, slots["gate_up"], slots["down"], *self.expert_math,
-                           **self.offload.scales)  # [T, D]
+                           **self.offload.layer_scales[moe_layer])  # [T, D]
         cpu_part = self.handoff.sync() if hidden.is_cuda else self.executor.wait()  # [T, D] fp32
         ex = self.executor
         step["cpu_s"] += ex.last_compute_seconds
@@ -197,7 +197,7 @@ class HybridBackend(HybridSplitControl, HybridMeasurement):
         slots = self.cache.slot_banks  # CPU routes: slot -1, skipped
         state = self.cache.state
         part = moe_compute(hidden, slot_ids, topk_weights, slots["gate_up"], slots["down"], *self.expert_math,
-                           **self.offload.scales)  # [T, D]
+                           **self.offload.layer_scales[layer])  # [T, D]
         out = self.handoff.sync_add(layer, part, cache_counters=(state.misses, state.fetched))
         if prefetch is not None:
             prefetch.copy_ahead()  # the CPU's part is in: the copy takes the host DRAM while the CPU is idle

@@ -41,11 +41,15 @@ def split_max_tokens(tunable: bool, max_running_requests: int) -> int:
 
 def profile_format(ctx: BackendContext) -> tuple[str, str | None]:
     """(key, fallback) of this model's expert format in a profile (services/common/profiles.format_key): the
-    dtype name for unquantized experts, else the format's name with the model dtype's entry as fallback."""
+    dtype name for unquantized experts, else the format's name with the model dtype's entry as fallback. A
+    GGUF file's layers may differ in format (Q4_K_M: q4_K and q4_K+q6_K): the most common one's."""
+    from collections import Counter
+
     from services.common.profiles import format_key
 
     dtype = str(ctx.dtype).removeprefix("torch.")
-    fmt = ctx.banks.layers[0].format.value if ctx.banks.layers else "unquantized"
+    formats = Counter(layer.format.value for layer in ctx.banks.layers)
+    fmt = formats.most_common(1)[0][0] if formats else "unquantized"
     key = format_key(fmt, dtype)
     return key, (dtype if key != dtype else None)
 

@@ -46,7 +46,9 @@ class OffloadBackend:
         self.act = banks.activation  # gpt-oss: clamped SwiGLU, and bias banks mirrored in the slots too
         slots = self.cache.slot_banks
         self.bias = (slots["gate_up_bias"], slots["down_bias"]) if "gate_up_bias" in slots else None  # [S, 2I], [S, D]
-        self.scales = quant_kwargs(self.cache.format, slots)  # fp8_block / mxfp4: the slots' scales and format
+        # per MoE layer, the slots' scales and format (fp8_block / mxfp4 / GGUF): a GGUF file's layers may
+        # differ in type (a Q4_K_M file's down: q6_K in some layers), the slots being wide enough for any
+        self.layer_scales = [quant_kwargs(layer.format, slots) for layer in banks.layers]
         self.top_k = ctx.top_k
         self._check_batch_invariant(ctx.config)
 
@@ -80,7 +82,7 @@ class OffloadBackend:
                 prefetch.issue(moe_layer, hidden)  # the next layer's copy runs while this one computes
             # CUDA: the Triton GEMV / grouped GEMM from the slot banks (graph-capturable); CPU: the grouped loop
             part = moe_compute(hidden, slot_ids, topk_weights, gate_up, down, self.act, self.bias,
-                               **self.scales)  # [T, D]
+                               **self.layer_scales[moe_layer])  # [T, D]
             out = part if out is None else out + part
         return out
 
@@ -88,8 +90,9 @@ class OffloadBackend:
         """Compile the expert kernels of every step size on the slot banks before serving (DecodeKernel.warm;
         reads whatever the slots hold, writes nothing)."""
         slots = self.cache.slot_banks
-        return moe_decode.warm(hidden, self.top_k, slots["gate_up"], slots["down"], self.act, self.bias,
-                               **self.scales)
+        distinct = {kw.get("fmt"): kw for kw in self.layer_scales}.values()  # a GGUF file's layer formats: each
+        return sum(moe_decode.warm(hidden, self.top_k, slots["gate_up"], slots["down"], self.act, self.bias, **kw)
+                   for kw in distinct)
 
     def observe_decode_step(self, seconds: float, tokens: int) -> bool:
         """After each decode step (the engine; hybrid calls it too): the peer tier's placement refresh.

@@ -32,7 +32,7 @@ import torch
 from services.common.logging import get_logger
 from services.engine.config import MoEBackend
 from services.engine.moe.backends import BackendContext, register_backend
-from services.engine.moe.banks import BANK_SCHEMAS, SCALE_BANKS, ExpertFormat
+from services.engine.moe.banks import BANK_SCHEMAS, GGUF_TYPES, SCALE_BANKS, ExpertFormat
 from services.engine.moe.dequant import check_banks, dense_experts
 from services.engine.moe.reference import ClampedSwiGLU, expert_swiglu, glu
 
@@ -46,6 +46,8 @@ def quant_kwargs(fmt: ExpertFormat, banks: dict[str, torch.Tensor]) -> dict:
     """The compute keywords of format ``fmt``'s scale banks in ``banks`` (a layer's or the cache's slot
     banks): {} for unquantized experts, else gate_up_scale, down_scale and fmt."""
     fmt = ExpertFormat(fmt)
+    if fmt in GGUF_TYPES:  # scales inside the blocks: the format alone says how to read them
+        return {"fmt": fmt}
     if not SCALE_BANKS[fmt]:
         return {}
     return {"gate_up_scale": banks["gate_up_scale"], "down_scale": banks["down_scale"], "fmt": fmt}
@@ -126,6 +128,7 @@ class DecodeKernel:
         scales = (gate_up_scale, down_scale)
         R = topk_ids.numel()
         check_banks(fmt, gate_up, down, gate_up_scale, down_scale)  # the kernels tell formats by dtype: agree
+        types = GGUF_TYPES.get(ExpertFormat(fmt))  # GGUF: (gate_up's, down's) block type, named to the kernels
         if self.kind == "triton":
             try:
                 if self._gemm is None:
@@ -134,8 +137,9 @@ class DecodeKernel:
 
                     self._gemv, self._gemm = moe_gemv, moe_gemm
                 if R <= GEMV_MAX_ROUTES:
-                    return self._gemv(hidden, topk_ids, topk_weights, gate_up, down, *scales, act=act, bias=bias)
-                return self._gemm(hidden, topk_ids, topk_weights, gate_up, down, act, bias, *scales)
+                    return self._gemv(hidden, topk_ids, topk_weights, gate_up, down, *scales, act=act, bias=bias,
+                                      gguf_types=types)
+                return self._gemm(hidden, topk_ids, topk_weights, gate_up, down, act, bias, *scales, gguf_types=types)
             except Exception as e:  # noqa: BLE001 - keep serving; stats() shows the kernel in use
                 if torch.cuda.is_current_stream_capturing():
                     raise
@@ -166,7 +170,7 @@ class DecodeKernel:
             if self.kind != "triton":
                 break
             self._gemm(x, ids, w, gate_up, down, act, bias, scales.get("gate_up_scale"), scales.get("down_scale"),
-                       config=cfg)
+                       config=cfg, gguf_types=GGUF_TYPES.get(scales.get("fmt")))
             calls += 1
         return calls
 
@@ -219,11 +223,9 @@ class ResidentBackend:
 
     def warm(self, hidden: torch.Tensor) -> int:
         """Compile the expert kernels of every step size before serving (DecodeKernel.warm)."""
-        banks = self.layers[0] if self.layers else None
-        if banks is None:
-            return 0
-        return self.decode.warm(hidden, self.top_k, banks["gate_up"], banks["down"], self.act, self.bias[0],
-                                **quant_kwargs(self.formats[0], banks))
+        first = {fmt: i for i, fmt in reversed(list(enumerate(self.formats)))}  # a layer of each format (GGUF: several)
+        return sum(self.decode.warm(hidden, self.top_k, self.layers[i]["gate_up"], self.layers[i]["down"], self.act,
+                                    self.bias[i], **quant_kwargs(fmt, self.layers[i])) for fmt, i in first.items())
 
     def stats(self) -> dict:
         return {"backend": MoEBackend.RESIDENT.value, "expert_bytes_on_device": self.nbytes,

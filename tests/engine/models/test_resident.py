@@ -59,7 +59,7 @@ def test_triton_path_takes_the_gemv_for_a_few_routes_and_the_gemm_beyond():
 
     calls = []
     kernel = resident.DecodeKernel("triton")
-    kernel._gemv = lambda *a, act=None, bias=None: calls.append(("gemv", a[1].numel())) or moe_reference(*a[:5], act, bias)
+    kernel._gemv = lambda *a, act=None, bias=None, gguf_types=None: calls.append(("gemv", a[1].numel())) or moe_reference(*a[:5], act, bias)
     kernel._gemm = lambda *a, **k: calls.append(("gemm", a[1].numel())) or moe_reference(*a[:7])
     for T, A in ((1, 8), (2, 8), (3, 8), (40, 2)):
         args = _case(T, A, seed=T, skip=True)

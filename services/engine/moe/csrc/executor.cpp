@@ -115,6 +115,8 @@ struct Job {
   int64_t ready_value = 0;
   int T = 0, A = 0, D = 0, I = 0, E = 0;
   WDtype wdt = WDtype::F32;
+  int gu_gguf = 0, dn_gguf = 0;      // GGUF: gate_up's and down's GgufType (they may differ), else 0
+  int64_t gu_ldb = 0, dn_ldb = 0;    // GGUF: bytes between rows (>= the type's row bytes: padded slots)
   bool bf16_inputs = false;          // the GEMVs take bf16 inputs (x_bf16, act_bf16), else fp32
   // scratch, sized in submit() for the worst case R = T*A
   std::vector<int> count;            // [E]
@@ -202,6 +204,21 @@ class Executor {
     limit_ = static_cast<float>(limit);
   }
 
+  // GGUF layers: per layer its gate_up bank (its data pointer identifies the layer in every job, as in
+  // set_expert_math) and the GgufType of gate_up and of down (gguf_quant.KERNEL_CODE; they may differ)
+  void set_gguf_layers(std::vector<torch::Tensor> gate_ups, std::vector<int64_t> gate_up_types,
+                       std::vector<int64_t> down_types) {
+    TORCH_CHECK(!busy_ && !polling_, "cpu executor: set_gguf_layers() while a job is in flight or polling is on");
+    TORCH_CHECK(gate_ups.size() == gate_up_types.size() && gate_ups.size() == down_types.size(),
+                "cpu executor: one gate_up type and one down type per gate_up bank");
+    for (size_t l = 0; l < gate_ups.size(); ++l) {
+      TORCH_CHECK(gate_ups[l].scalar_type() == torch::kUInt8 && gguf_block_values(gate_up_types[l]) > 0 &&
+                      gguf_block_values(down_types[l]) > 0,
+                  "cpu executor: GGUF layers are uint8 banks of types 1..5 (gguf_quant.KERNEL_CODE)");
+      gguf_layers_[gate_ups[l].data_ptr()] = {static_cast<int>(gate_up_types[l]), static_cast<int>(down_types[l])};
+    }
+  }
+
   std::string isa() const { return k_.name; }
   bool fp8_bf16_inputs() const { return k_.gemv_fp8_bx != nullptr; }
   int64_t num_threads() const { return n_; }
@@ -238,20 +255,38 @@ class Executor {
     const torch::Tensor& gate_up = banks[0];
     const torch::Tensor& down = banks[1];
     const auto T = hidden.size(0), D = hidden.size(1), A = ids.size(1);
-    const bool mx = gate_up.scalar_type() == torch::kUInt8;  // mxfp4: two e2m1 values per byte
-    const auto E = gate_up.size(0), I = down.size(2) * (mx ? 2 : 1);
+    // uint8 banks: mxfp4 (two e2m1 values per byte, two scale banks) or GGUF blocks (no scale banks; the
+    // layer's types from set_gguf_layers, never guessed from the row bytes: rows may be padded)
+    const bool gguf = gate_up.scalar_type() == torch::kUInt8 && banks.size() == 2;
+    const bool mx = gate_up.scalar_type() == torch::kUInt8 && !gguf;
+    const auto E = gate_up.size(0), I = gguf ? gate_up.size(1) / 2 : down.size(2) * (mx ? 2 : 1);
+    int gu_gguf = 0, dn_gguf = 0;
+    if (gguf) {
+      const auto types = gguf_layers_.find(gate_up.data_ptr());
+      TORCH_CHECK(types != gguf_layers_.end(), "cpu executor: uint8 banks without scale banks are GGUF banks, whose "
+                  "types come from set_gguf_layers (mxfp4 banks come with two scale banks)");
+      gu_gguf = types->second.first;
+      dn_gguf = types->second.second;
+      TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && gate_up.size(1) % 2 == 0 &&
+                      D % gguf_block_values(gu_gguf) == 0 && I % gguf_block_values(dn_gguf) == 0 &&
+                      gate_up.size(2) >= gguf_row_bytes(gu_gguf, D) && down.size(2) >= gguf_row_bytes(dn_gguf, I),
+                  "cpu executor: GGUF banks gate_up ", gate_up.sizes(), " and down ", down.sizes(), " with D = ", D,
+                  " are not [E, 2I, >= row bytes of D] and [E, D, >= row bytes of I] in their types ", gu_gguf,
+                  " and ", dn_gguf, " (gguf_quant.KERNEL_CODE)");
+    }
     TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "cpu executor: hidden must be contiguous [T, D]");
     TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T && ids.is_contiguous(), "cpu executor: ids must be contiguous [T, A]");
     TORCH_CHECK(weights.sizes() == ids.sizes() && weights.is_contiguous(), "cpu executor: weights must be contiguous [T, A] like ids");
-    TORCH_CHECK(gate_up.dim() == 3 && gate_up.size(1) == 2 * I && gate_up.size(2) == (mx ? D / 2 : D) &&
+    TORCH_CHECK(gate_up.dim() == 3 && gate_up.size(1) == 2 * I && (gguf || gate_up.size(2) == (mx ? D / 2 : D)) &&
                     gate_up.is_contiguous(),
                 "cpu executor: gate_up bank must be contiguous [E, 2I, D] (mxfp4: uint8 [E, 2I, D/2])");
     TORCH_CHECK(down.dim() == 3 && down.size(0) == E && down.size(1) == D && down.is_contiguous(),
                 "cpu executor: down bank must be contiguous [E, D, I]");
     const bool fp8 = gate_up.scalar_type() == torch::kFloat8_e4m3fn;
     TORCH_CHECK(gate_up.scalar_type() == down.scalar_type() &&
-                (gate_up.scalar_type() == torch::kFloat32 || gate_up.scalar_type() == torch::kBFloat16 || fp8 || mx),
-                "cpu executor: banks must both be float32, bfloat16, float8_e4m3fn or uint8 (mxfp4)");
+                (gate_up.scalar_type() == torch::kFloat32 || gate_up.scalar_type() == torch::kBFloat16 || fp8 || mx ||
+                 gguf),
+                "cpu executor: banks must both be float32, bfloat16, float8_e4m3fn or uint8 (mxfp4, GGUF)");
     TORCH_CHECK((fp8 || mx) == (banks.size() == 4),
                 "cpu executor: float8_e4m3fn and mxfp4 banks (and only they) come with two scale banks");
     if (mx) check_mxfp4_scales(banks, E, D, I);
@@ -285,7 +320,10 @@ class Executor {
     j.ready = ready.defined() && ready.numel() > 0 ? ready : torch::Tensor();
     j.ready_value = ready_value;
     j.T = T; j.A = A; j.D = D; j.I = I; j.E = E;
-    j.wdt = mx ? WDtype::MXFP4 : fp8 ? WDtype::FP8 : gate_up.scalar_type() == torch::kBFloat16 ? WDtype::BF16 : WDtype::F32;
+    j.wdt = gguf ? WDtype::GGUF : mx ? WDtype::MXFP4 : fp8 ? WDtype::FP8
+          : gate_up.scalar_type() == torch::kBFloat16 ? WDtype::BF16 : WDtype::F32;
+    j.gu_gguf = gu_gguf; j.dn_gguf = dn_gguf;  // GGUF: fp32 inputs (bf16_inputs stays false below)
+    j.gu_ldb = gate_up.size(2); j.dn_ldb = down.size(2);
     // bf16 inputs to the dpbf16 kernels: bf16 weights always (where the CPU has the kernel); FP8 weights when
     // the model computes in bf16 (hidden arrives in bf16, so only the SwiGLU output is rounded, as the
     // GPU's bf16 path rounds it). An fp32 model's FP8 experts keep the fp32-input kernel: exact products.
@@ -771,14 +809,24 @@ class Executor {
   }
 
   GemvFn gemv() const {
+    if (job_.wdt == WDtype::GGUF) return k_.gemv_gguf;
     if (job_.wdt == WDtype::MXFP4) return job_.bf16_inputs ? k_.gemv_mxfp4_bx : k_.gemv_mxfp4;
     if (job_.wdt == WDtype::FP8) return job_.bf16_inputs ? k_.gemv_fp8_bx : k_.gemv_fp8;
     return job_.wdt == WDtype::BF16 ? k_.gemv_bf16 : k_.gemv_f32;
   }
-  // bytes of `elems` weights in the job's bank dtype (mxfp4: two per byte)
+  // bytes of `elems` weights in the job's bank dtype (mxfp4: two per byte; not GGUF)
   size_t wbytes(size_t elems) const { return job_.wdt == WDtype::MXFP4 ? elems / 2 : elems * welem(); }
+  // bytes of `rows` rows of the gate_up bank (D values each) and of the down bank (I values each)
+  size_t gu_rows(size_t rows) const {
+    return job_.wdt == WDtype::GGUF ? rows * job_.gu_ldb : wbytes(rows * job_.D);
+  }
+  size_t dn_rows(size_t rows) const {
+    return job_.wdt == WDtype::GGUF ? rows * job_.dn_ldb : wbytes(rows * job_.I);
+  }
   // one expert's weight bytes (what a job streams per expert; scales included for mxfp4: 1/16 more)
   int64_t expert_weight_bytes() const {
+    if (job_.wdt == WDtype::GGUF)
+      return 2 * (int64_t)job_.I * gguf_row_bytes(job_.gu_gguf, job_.D) + (int64_t)job_.D * gguf_row_bytes(job_.dn_gguf, job_.I);
     const int64_t n = 3 * (int64_t)job_.I * job_.D;
     return job_.wdt == WDtype::MXFP4 ? n / 2 + n / kMxBlock : n * (int64_t)welem();
   }
@@ -850,11 +898,13 @@ class Executor {
       const int g = static_cast<int>(u / I);
       const int64_t i0 = u % I, i1 = std::min<int64_t>(I, i0 + (u1 - u));
       const int r0 = j.group_start[g], nt = j.group_start[g + 1] - r0;
-      const char* W = bank + wbytes((size_t)j.group_expert[g] * 2 * I * D);
+      const char* W = bank + gu_rows((size_t)j.group_expert[g] * 2 * I);
       thread_local std::vector<float*> y;
       y.resize(nt);
       for (int t = 0; t < nt; ++t) y[t] = j.h_ptr[r0 + t] + i0;
-      GemvArgs a{W + wbytes((size_t)i0 * D), D, static_cast<int>(i1 - i0), static_cast<int>(D), &j.x_ptr[r0], nt, y.data(), nullptr};
+      GemvArgs a{W + gu_rows(i0), D, static_cast<int>(i1 - i0), static_cast<int>(D), &j.x_ptr[r0], nt, y.data(), nullptr};
+      a.gguf = j.gu_gguf;
+      a.ldb = j.gu_ldb;
       if (j.wdt == WDtype::FP8) {  // gate's block grid first, then up's (fp8.py)
         a.lds = blocks(D);
         a.srow0 = static_cast<int>(i0);
@@ -867,7 +917,7 @@ class Executor {
       }
       gemv()(a);  // gate rows
       for (int t = 0; t < nt; ++t) y[t] = j.h_ptr[r0 + t] + I + i0;
-      a.W = W + wbytes((size_t)(I + i0) * D);
+      a.W = W + gu_rows(I + i0);
       if (j.wdt == WDtype::FP8) a.wscale += blocks(I) * a.lds;
       if (mxs) a.mxscale = mxs + (size_t)(I + i0) * (D / kMxBlock);
       gemv()(a);  // up rows
@@ -907,8 +957,10 @@ class Executor {
       const int r0 = j.group_start[g], nt = j.group_start[g + 1] - r0;
       y.resize(nt);
       for (int t = 0; t < nt; ++t) y[t] = j.out_ptr[r0 + t] + d0;
-      const char* W = bank + wbytes((size_t)j.group_expert[g] * D * I + (size_t)d0 * I);
+      const char* W = bank + dn_rows((size_t)j.group_expert[g] * D + d0);
       GemvArgs a{W, I, static_cast<int>(d1 - d0), static_cast<int>(I), &j.act_ptr[r0], nt, y.data(), &j.route_w[r0]};
+      a.gguf = j.dn_gguf;
+      a.ldb = j.dn_ldb;
       if (j.wdt == WDtype::FP8) {
         a.lds = blocks(I);
         a.srow0 = static_cast<int>(d0);
@@ -927,6 +979,7 @@ class Executor {
 
   std::unordered_map<const void*, std::pair<const void*, const void*>> expert_math_;  // gate_up bank -> biases
   std::unordered_map<const void*, bool> bias_bf16_;  // gate_up bank -> its biases are bf16 (else fp32)
+  std::unordered_map<const void*, std::pair<int, int>> gguf_layers_;  // gate_up bank -> (gate_up, down) GgufType
   std::vector<std::vector<torch::Tensor>> bias_keep_;
   bool clamped_ = false;
   float alpha_ = 0.f, limit_ = 0.f;
@@ -995,6 +1048,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("cpus"), pybind11::arg("num_threads"), pybind11::arg("spin_us"), pybind11::arg("isa"))
       .def("submit", &tandem::Executor::submit)
       .def("set_expert_math", &tandem::Executor::set_expert_math)
+      .def("set_gguf_layers", &tandem::Executor::set_gguf_layers)
       .def("wait", &tandem::Executor::wait)
       .def("read_seconds", &tandem::Executor::read_seconds)
       .def("start_polling", &tandem::Executor::start_polling)

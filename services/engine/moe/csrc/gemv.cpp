@@ -708,6 +708,7 @@ IsaKernels select_kernels(const char* force) {
   IsaKernels k = select_table(force);
   k.gemv_mxfp4 = mxfp4_kernel(k.name);
   k.gemv_mxfp4_bx = mxfp4_bx_kernel(k.name);
+  k.gemv_gguf = gguf_kernel(k.name);
   return k;
 }
 

@@ -21,12 +21,21 @@
 // The bf16-input MXFP4 kernel (vdpbf16ps, bf16 models) takes X *nibble-split* per chunk of 4 blocks
 // (128 elements, 64 bytes = 32 words of weights): the elements 4j (j = 0..31), then 4j + 1, 4j + 2,
 // 4j + 3 (mxfp4_bx_pos); a row's last chunk of r < 4 blocks the same with 8r words.
+//
+// GGUF (q4_K, q5_K, q6_K, q8_0, mxfp4_gguf banks; gguf_gemv.cpp): W holds the file's blocks, `gguf` the
+// type (GgufType), row r at W + r * ldb bytes (K counts values); X fp32 as is.
 #pragma once
 #include <cstdint>
 
 namespace tandem {
 
-enum class WDtype : int { F32 = 0, BF16 = 1, FP8 = 2, MXFP4 = 3 };
+enum class WDtype : int { F32 = 0, BF16 = 1, FP8 = 2, MXFP4 = 3, GGUF = 4 };
+
+// GGUF block types, numbered as services/engine/moe/gguf_quant.KERNEL_CODE (0: not GGUF)
+enum GgufType : int { kQ4K = 1, kQ5K = 2, kQ6K = 3, kQ80 = 4, kMxfp4Gguf = 5 };
+int64_t gguf_row_bytes(int type, int64_t cols);  // bytes of a row of `cols` values (a multiple of the block's)
+int gguf_block_values(int type);                 // values per block: 256 (K-quants) or 32
+int gguf_type_of_row(int64_t nbytes, int64_t cols);  // the type whose rows of `cols` values take nbytes; 0: none
 
 constexpr int kFp8Block = 128;  // the fp8_block format's block edge (services/engine/moe/fp8.py BLOCK)
 constexpr int kMxBlock = 32;    // values per E8M0 scale (services/engine/models/mxfp4.py BLOCK)
@@ -53,6 +62,8 @@ struct GemvArgs {
   int64_t lds = 0;                // ... floats between block rows (ceil(K / 128))
   int srow0 = 0;                  // ... and the first row's index on the block grid
   const uint8_t* mxscale = nullptr;  // MXFP4 only: the first row's E8M0 bytes (K / 32 per row)
+  int gguf = 0;                      // GGUF only: the rows' GgufType ...
+  int64_t ldb = 0;                   // ... and the bytes between rows (>= gguf_row_bytes(gguf, K): padded slots)
 };
 
 using GemvFn = void (*)(const GemvArgs&);
@@ -70,7 +81,10 @@ struct IsaKernels {
   ReadFn read = nullptr;       // the CPU read ceiling's kernel (benchmarks)
   GemvFn gemv_mxfp4 = nullptr;  // packed e2m1 weights with E8M0 scales per 32, fp32 X pair-split
   GemvFn gemv_mxfp4_bx = nullptr;  // the same weights with bf16 X nibble-split (vdpbf16ps), or nullptr
+  GemvFn gemv_gguf = nullptr;   // GGUF blocks (GemvArgs::gguf), fp32 X
 };
+
+GemvFn gguf_kernel(const char* isa);  // the GGUF kernel of an ISA (gguf_gemv.cpp)
 
 IsaKernels select_kernels(const char* force);
 

@@ -1,0 +1,210 @@
+"""GGUF blocks decoded in Triton registers: the one place the MoE kernels (moe_gemv.py, moe_gemm.py) read
+q4_K / q5_K / q6_K / q8_0 / mxfp4_gguf banks (layouts: services/engine/moe/gguf_quant.py, its reference).
+
+Legend: E experts · D hidden · I expert intermediate · K a row's values · QK values per block.
+
+``gguf_values(row_ptr, k, mask, QT)`` gives the fp32 weights at value index ``k`` of the rows at
+``row_ptr`` (uint8 pointers), for any broadcastable pair of shapes: [R, 1] x [1, K] for a GEMV tile,
+[1, N] x [K, 1] for a GEMM's transposed [BK, BN] tile. Each value loads the bytes it needs (its quant
+bits, its sub-block's scale bytes, the block's fp16 d): a block's header is reloaded by each of its values,
+but those loads hit L1 (a tile covers a few blocks per row), and DRAM reads each byte once. No lookup
+tables, no host syncs, no data-dependent shapes: graph-capturable like the other formats.
+
+Under the interpreter every byte is widened to int32 / fp32 at once (no bf16 arithmetic there).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from services.engine.moe.gguf_quant import KERNEL_CODE, GGUFType, check_bank
+
+# constexpr QT of the kernels (gguf_quant.KERNEL_CODE); 0 = not a GGUF bank
+Q4_K, Q5_K, Q6_K, Q8_0, MXFP4_GGUF = (KERNEL_CODE[t] for t in (GGUFType.Q4_K, GGUFType.Q5_K, GGUFType.Q6_K,
+                                                                GGUFType.Q8_0, GGUFType.MXFP4))
+
+
+@triton.jit
+def _byte(p, mask):
+    return tl.load(p, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _f16(p, mask):
+    """The little-endian fp16 at byte pointers p -> fp32 (two byte loads: any alignment)."""
+    lo = tl.load(p, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(p + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def gguf_values(row_ptr, k, mask, QT: tl.constexpr):
+    """fp32 weights at value indices k of the GGUF rows at row_ptr (broadcast together), 0 where ~mask."""
+    if QT == 4:  # q8_0: d fp16 · q int8[32]
+        base = row_ptr + (k // 32) * 34
+        q = tl.load(base + 2 + k % 32, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        return _f16(base, mask) * q
+    elif QT == 5:  # mxfp4_gguf: e E8M0 · byte i holds values i (low nibble) and i + 16 (high)
+        base = row_ptr + (k // 32) * 17
+        i = k % 32
+        b = _byte(base + 1 + i % 16, mask)
+        nib = (b >> ((i // 16) * 4)) & 15
+        # the nibble s|e1e0|m placed in an fp16's sign and exponent/mantissa bits 11..9 is e2m1 * 2**-14, exactly
+        # (kernels/moe_gemv._e2m1); the E8M0 scale is made as an fp32 exponent field times 2**14
+        v = (((nib & 7) << 9) | ((nib & 8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        e = _byte(base, mask)
+        return v * (tl.minimum(e + 14, 255) << 23).to(tl.float32, bitcast=True)
+    elif QT == 3:  # q6_K: ql[128] · qh[64] · int8 scales[16] · d fp16
+        base = row_ptr + (k // 256) * 210
+        i = k % 256
+        h = i // 128
+        r = i % 128
+        lo = (_byte(base + 64 * h + r % 64, mask) >> ((r // 64) * 4)) & 15
+        hi = (_byte(base + 128 + 32 * h + r % 32, mask) >> ((r // 32) * 2)) & 3
+        sc = tl.load(base + 192 + i // 16, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        return (_f16(base + 208, mask) * sc) * ((lo | (hi << 4)) - 32).to(tl.float32)
+    else:  # q4_K (QT 1) / q5_K (QT 2): d, dmin fp16 · 12 bytes of 6-bit (scale, min) · [qh[32]] · qs[128]
+        BPB: tl.constexpr = 144 if QT == 1 else 176
+        QS: tl.constexpr = 16 if QT == 1 else 48
+        base = row_ptr + (k // 256) * BPB
+        i = k % 256
+        j = i // 32  # sub-block
+        a = _byte(base + 4 + j % 4, mask)  # s[j % 4], s[j % 4 + 4], s[j % 4 + 8] (gguf_quant's unpacking)
+        b = _byte(base + 8 + j % 4, mask)
+        c = _byte(base + 12 + j % 4, mask)
+        sc = tl.where(j < 4, a & 63, (c & 15) | ((a >> 6) << 4)).to(tl.float32)
+        m = tl.where(j < 4, b & 63, (c >> 4) | ((b >> 6) << 4)).to(tl.float32)
+        q = (_byte(base + QS + (j // 2) * 32 + i % 32, mask) >> ((j % 2) * 4)) & 15
+        if QT == 2:
+            q |= ((_byte(base + 16 + i % 32, mask) >> j) & 1) << 4
+        return (_f16(base, mask) * sc) * q.to(tl.float32) - _f16(base + 2, mask) * m
+
+
+@triton.jit
+def _k4_scale_min(sp, j, m3):
+    """q4_K / q5_K 6-bit (scale, min) of sub-blocks j (int tensor) from the 12 bytes at sp -> fp32 (sc, m)."""
+    a = _byte(sp + j % 4, m3)
+    b = _byte(sp + 4 + j % 4, m3)
+    c = _byte(sp + 8 + j % 4, m3)
+    sc = tl.where(j < 4, a & 63, (c & 15) | ((a >> 6) << 4)).to(tl.float32)
+    mn = tl.where(j < 4, b & 63, (c >> 4) | ((b >> 6) << 4)).to(tl.float32)
+    return sc, mn
+
+
+@triton.jit
+def gguf_row_dot(rows, mask_r, x_ptr, K, QT: tl.constexpr, BLOCK_R: tl.constexpr):
+    """sum over k < K of W[r, k] * x[k] for the GGUF rows at ``rows`` ([BLOCK_R] uint8 pointers) -> [BLOCK_R]
+    fp32: the GEMV's form of gguf_values. Per 256 values (a K-quant block, or 8 q8_0 / mxfp4 blocks) each
+    quant byte is loaded once and split into both its values, a sub-block's scale is factored out of its
+    sum (sum (s q - o) x = s sum q x - o sum x), and the block header is loaded once per row, not per value."""
+    r3 = rows[:, None, None]
+    m3 = mask_r[:, None, None]
+    if QT == 1 or QT == 2:  # q4_K / q5_K: byte 32g + l of qs holds values 64g + l (low) and 64g + 32 + l (high)
+        BPB: tl.constexpr = 144 if QT == 1 else 176
+        QS: tl.constexpr = 16 if QT == 1 else 48
+        g = tl.arange(0, 4)
+        v = tl.arange(0, 32)
+        acc = tl.zeros([BLOCK_R, 4], dtype=tl.float32)
+        for blk in range(0, K // 256):
+            base = r3 + blk * BPB
+            xo = blk * 256 + g[:, None] * 64 + v[None, :]  # [4, 32] values 64g + l
+            x_lo = tl.load(x_ptr + xo).to(tl.float32)
+            x_hi = tl.load(x_ptr + xo + 32).to(tl.float32)
+            qb = _byte(base + QS + (g[:, None] * 32 + v[None, :])[None, :, :], m3)  # [R, 4, 32]
+            lo = qb & 15
+            hi = qb >> 4
+            if QT == 2:  # the fifth bit: bit j of qh[l] for sub-block j (2g low nibbles, 2g + 1 high)
+                qh = _byte(base + 16 + v[None, None, :], m3)  # [R, 1, 32]
+                lo |= ((qh >> (2 * g)[None, :, None]) & 1) << 4
+                hi |= ((qh >> (2 * g + 1)[None, :, None]) & 1) << 4
+            dq_lo = tl.sum(lo.to(tl.float32) * x_lo[None, :, :], axis=2)  # [R, 4]
+            dq_hi = tl.sum(hi.to(tl.float32) * x_hi[None, :, :], axis=2)
+            hb = rows[:, None] + blk * BPB  # [R, 1] block headers
+            m2 = mask_r[:, None]
+            d = _f16(hb, m2)
+            dmin = _f16(hb + 2, m2)
+            sc_lo, mn_lo = _k4_scale_min(hb + 4, 2 * g[None, :], m2)  # [R, 4] sub-blocks 2g
+            sc_hi, mn_hi = _k4_scale_min(hb + 4, 2 * g[None, :] + 1, m2)  # sub-blocks 2g + 1
+            acc += ((d * sc_lo) * dq_lo - (dmin * mn_lo) * tl.sum(x_lo, axis=1)[None, :]
+                    + (d * sc_hi) * dq_hi - (dmin * mn_hi) * tl.sum(x_hi, axis=1)[None, :])
+        return tl.sum(acc, axis=1)
+    elif QT == 3:  # q6_K: group G of 16 values (G < 8): ql bytes 16G + w hold values 128h + 16u + w (low
+        # nibble) and +64 (high), h = G // 4, u = G % 4; their 2-bit highs in qh[32h + 16(u % 2) + w]
+        G = tl.arange(0, 8)
+        w = tl.arange(0, 16)
+        h = G // 4
+        u = G % 4
+        acc = tl.zeros([BLOCK_R, 8], dtype=tl.float32)
+        for blk in range(0, K // 256):
+            base = r3 + blk * 210
+            xo = blk * 256 + (128 * h + 16 * u)[:, None] + w[None, :]  # [8, 16]
+            x_lo = tl.load(x_ptr + xo).to(tl.float32)
+            x_hi = tl.load(x_ptr + xo + 64).to(tl.float32)
+            ql = _byte(base + (16 * G[:, None] + w[None, :])[None, :, :], m3)  # [R, 8, 16]
+            qh = _byte(base + (128 + 32 * h[:, None] + 16 * (u % 2)[:, None] + w[None, :])[None, :, :], m3)
+            shift = (2 * (u // 2))[None, :, None]
+            q_lo = ((ql & 15) | (((qh >> shift) & 3) << 4)) - 32
+            q_hi = ((ql >> 4) | (((qh >> (shift + 4)) & 3) << 4)) - 32
+            dq_lo = tl.sum(q_lo.to(tl.float32) * x_lo[None, :, :], axis=2)  # [R, 8]
+            dq_hi = tl.sum(q_hi.to(tl.float32) * x_hi[None, :, :], axis=2)
+            hb = rows[:, None] + blk * 210
+            m2 = mask_r[:, None]
+            d = _f16(hb + 208, m2)  # [R, 1]
+            sidx = (8 * h + u)[None, :]  # [1, 8] the low values' scales; the high ones' are 4 further
+            sc_lo = tl.load(hb + 192 + sidx, mask=m2, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            sc_hi = tl.load(hb + 196 + sidx, mask=m2, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            acc += (d * sc_lo) * dq_lo + (d * sc_hi) * dq_hi
+        return tl.sum(acc, axis=1)
+    elif QT == 4:  # q8_0: 8 blocks of 32 values a step
+        b = tl.arange(0, 8)
+        v = tl.arange(0, 32)
+        acc = tl.zeros([BLOCK_R, 8], dtype=tl.float32)
+        for b0 in range(0, K // 32, 8):
+            blk = b0 + b  # [8]
+            mb = blk < K // 32
+            x = tl.load(x_ptr + blk[:, None] * 32 + v[None, :], mask=mb[:, None], other=0.0).to(tl.float32)
+            m3b = m3 & mb[None, :, None]
+            q = tl.load(r3 + (blk[:, None] * 34 + 2 + v[None, :])[None, :, :], mask=m3b, other=0)
+            dq = tl.sum(q.to(tl.int8, bitcast=True).to(tl.float32) * x[None, :, :], axis=2)  # [R, 8]
+            acc += _f16(rows[:, None] + blk[None, :] * 34, mask_r[:, None] & mb[None, :]) * dq
+        return tl.sum(acc, axis=1)
+    else:  # mxfp4_gguf: 8 blocks of 32 a step; byte i holds values i (low nibble) and 16 + i (high)
+        b = tl.arange(0, 8)
+        v = tl.arange(0, 16)
+        acc = tl.zeros([BLOCK_R, 8], dtype=tl.float32)
+        for b0 in range(0, K // 32, 8):
+            blk = b0 + b
+            mb = blk < K // 32
+            xo = blk[:, None] * 32 + v[None, :]  # [8, 16]
+            x_lo = tl.load(x_ptr + xo, mask=mb[:, None], other=0.0).to(tl.float32)
+            x_hi = tl.load(x_ptr + xo + 16, mask=mb[:, None], other=0.0).to(tl.float32)
+            qb = _byte(r3 + (blk[:, None] * 17 + 1 + v[None, :])[None, :, :], m3 & mb[None, :, None])  # [R, 8, 16]
+            lo = (((qb & 7) << 9) | ((qb & 8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            hi = (((qb & 0x70) << 5) | ((qb & 0x80) << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            part = tl.sum(lo * x_lo[None, :, :] + hi * x_hi[None, :, :], axis=2)  # [R, 8], 2**-14 times
+            e = _byte(rows[:, None] + blk[None, :] * 17, mask_r[:, None] & mb[None, :])
+            acc += part * (tl.minimum(e + 14, 255) << 23).to(tl.float32, bitcast=True)
+        return tl.sum(acc, axis=1)
+
+
+def gguf_geometry(what: str, hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                  gguf_types) -> tuple[int, int, int, int]:
+    """GGUF banks gate_up uint8 [E, 2I, >= row_bytes(gate_up type, D)] and down uint8 [E, D, >= row_bytes(down
+    type, I)] beside hidden [T, D], ``gguf_types`` = (gate_up's type, down's type) -> (D, I, gate_up's QT,
+    down's QT). Rows may be wider than their type needs (padded slots: gguf_quant.check_bank); the kernels
+    step rows by the tensor's stride. ValueError naming the shapes otherwise."""
+    gt, dt = (GGUFType(t) for t in gguf_types)
+    D = hidden.shape[-1]
+    E, two_i = gate_up.shape[0], gate_up.shape[1]
+    I = two_i // 2
+    try:
+        check_bank("gate_up", gate_up, gt, 2 * I, D)
+        check_bank("down", down, dt, D, I)
+        if down.shape[0] != E or two_i % 2:
+            raise ValueError(f"{E} experts of gate_up, {down.shape[0]} of down; {two_i} gate_up rows")
+    except ValueError as e:
+        raise ValueError(f"{what}: GGUF banks gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)} with hidden "
+                         f"{tuple(hidden.shape)} are not [E, 2I, row_bytes(D)], [E, D, row_bytes(I)]: {e}") from e
+    return D, I, KERNEL_CODE[gt], KERNEL_CODE[dt]

@@ -1,0 +1,297 @@
+// GEMV micro-kernels of the CPU MoE executor for GGUF blocks (q4_K, q5_K, q6_K, q8_0, mxfp4_gguf): the
+// layouts are described in services/engine/moe/gguf_quant.py, whose torch `dequantize` is the reference.
+//
+// Y[t][r] (+)= dot(W[r], X[t]) as in gemv.h, with W's rows made of the file's blocks: row r at
+// W + r * ldb bytes (rows may be padded past their blocks). Each block is decoded once into 256 (or 32) fp32 values on the stack
+// (plain loops over a sub-block with its scale in a register, which the compiler vectorizes inside the
+// AVX-512 kernel), then multiplied with every token's inputs: at bs=1 the decode is the work, the block
+// bytes stream once. X is fp32 in its natural order (no pair split: the decode puts values in place).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "gemv.h"
+
+namespace tandem {
+
+static const int kGgufQk[] = {0, 256, 256, 256, 32, 32};    // values per block, by GgufType
+static const int kGgufBytes[] = {0, 144, 176, 210, 34, 17};  // bytes per block
+
+int64_t gguf_row_bytes(int type, int64_t cols) { return cols / kGgufQk[type] * kGgufBytes[type]; }
+int gguf_block_values(int type) { return kGgufQk[type]; }
+
+int gguf_type_of_row(int64_t nbytes, int64_t cols) {
+  for (int t = 1; t <= 5; ++t)
+    if (cols > 0 && cols % kGgufQk[t] == 0 && cols / kGgufQk[t] * kGgufBytes[t] == nbytes) return t;
+  return 0;
+}
+
+namespace {
+
+// IEEE half -> float, exact (normals, subnormals, inf, nan), without F16C: the scalar kernel runs anywhere
+inline float half_to_f32(const uint8_t* p) {
+  const uint32_t h = static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8;
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else {  // zero or subnormal: man * 2**-24, exact in fp32
+    float f = static_cast<float>(man) * (1.0f / 16777216.0f);
+    std::memcpy(&bits, &f, sizeof bits);
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline float bits_f32(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+}
+
+// Decoders: one block -> its values in `out`, the reference's arithmetic (scale product first, then times q).
+// always_inline: inlined into each ISA's kernel and vectorized for that ISA there.
+#define TANDEM_INLINE inline __attribute__((always_inline))
+
+TANDEM_INLINE void k4_scale_min(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+TANDEM_INLINE void decode_k(const uint8_t* b, float* out, bool five) {
+  const float d = half_to_f32(b), dmin = half_to_f32(b + 2);
+  const uint8_t* qh = b + 16;
+  const uint8_t* qs = b + (five ? 48 : 16);
+  for (int j = 0; j < 8; ++j) {
+    int sc, m;
+    k4_scale_min(b + 4, j, sc, m);
+    const float s = d * static_cast<float>(sc), o = dmin * static_cast<float>(m);
+    const uint8_t* q = qs + (j / 2) * 32;
+    const int shift = (j % 2) * 4;
+    float* v = out + 32 * j;
+    if (five) {
+      for (int l = 0; l < 32; ++l) v[l] = s * static_cast<float>(((q[l] >> shift) & 15) | (((qh[l] >> j) & 1) << 4)) - o;
+    } else {
+      for (int l = 0; l < 32; ++l) v[l] = s * static_cast<float>((q[l] >> shift) & 15) - o;
+    }
+  }
+}
+
+TANDEM_INLINE void decode_q6k(const uint8_t* b, float* out) {
+  const float d = half_to_f32(b + 208);
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* ql = b + 64 * h;
+    const uint8_t* qh = b + 128 + 32 * h;
+    for (int s4 = 0; s4 < 4; ++s4) {  // values 128h + 32 s4 + l
+      const uint8_t* lo = ql + 32 * (s4 % 2);
+      const int lshift = (s4 / 2) * 4, hshift = 2 * s4;
+      float* v = out + 128 * h + 32 * s4;
+      for (int half = 0; half < 2; ++half) {  // one int8 scale per 16 values
+        const float s = d * static_cast<float>(sc[(128 * h + 32 * s4) / 16 + half]);
+        for (int l = 16 * half; l < 16 * half + 16; ++l)
+          v[l] = s * static_cast<float>((((lo[l] >> lshift) & 15) | (((qh[l] >> hshift) & 3) << 4)) - 32);
+      }
+    }
+  }
+}
+
+TANDEM_INLINE void decode_q8_0(const uint8_t* b, float* out) {
+  const float d = half_to_f32(b);
+  const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+  for (int l = 0; l < 32; ++l) out[l] = d * static_cast<float>(q[l]);
+}
+
+// twice the e2m1 values (integers); times half the E8M0 scale, 2**(e - 128), as gguf-py computes it
+static const float kE2m1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, -0.f, -1, -2, -3, -4, -6, -8, -12};
+
+TANDEM_INLINE void decode_mxfp4(const uint8_t* b, float* out) {
+  const uint32_t e = b[0];
+  const float half = bits_f32(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+  for (int l = 0; l < 16; ++l) {
+    out[l] = half * kE2m1x2[b[1 + l] & 15];
+    out[l + 16] = half * kE2m1x2[b[1 + l] >> 4];
+  }
+}
+
+TANDEM_INLINE void decode(int type, const uint8_t* b, float* out) {
+  switch (type) {
+    case 1: decode_k(b, out, false); break;
+    case 2: decode_k(b, out, true); break;
+    case 3: decode_q6k(b, out); break;
+    case 4: decode_q8_0(b, out); break;
+    default: decode_mxfp4(b, out); break;
+  }
+}
+
+inline void store(const GemvArgs& a, int r, int t, float v) {
+  if (a.scale) a.Y[t][r] += a.scale[t] * v;
+  else a.Y[t][r] = v;
+}
+
+constexpr int kTok = 8;  // tokens per pass over a row's blocks (their accumulators stay in registers)
+
+}  // namespace
+
+namespace scalar {
+void gemv_gguf(const GemvArgs& a) {
+  const int type = a.gguf, qk = kGgufQk[type], nb = a.K / qk;
+  const int64_t rb = a.ldb, bb = kGgufBytes[type];
+  alignas(64) float v[256];
+  for (int r = 0; r < a.nrows; ++r) {
+    const uint8_t* row = static_cast<const uint8_t*>(a.W) + r * rb;
+    for (int t0 = 0; t0 < a.ntok; t0 += kTok) {
+      const int nt = std::min(kTok, a.ntok - t0);
+      float acc[kTok] = {};
+      for (int blk = 0; blk < nb; ++blk) {
+        decode(type, row + blk * bb, v);
+        for (int t = 0; t < nt; ++t) {
+          const float* x = static_cast<const float*>(a.X[t0 + t]) + blk * qk;
+          float s = 0.f;
+          for (int k = 0; k < qk; ++k) s += v[k] * x[k];
+          acc[t] += s;
+        }
+      }
+      for (int t = 0; t < nt; ++t) store(a, r, t0 + t, acc[t]);
+    }
+  }
+}
+}  // namespace scalar
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+namespace avx512 {
+// The AVX-512 kernel decodes 16 values at a time straight into a register (no stack buffer) and multiplies
+// it into every token's accumulator: per 16 values a byte widen, a shift/mask, a convert and one FMA for
+// the block's affine scale, then an FMA per token. What the scalar kernel's stack decode would cost here:
+// 2.8 G weights/s per core on a Sapphire Rapids core; this form is meant to keep up with DRAM (measure:
+// benchmarks/bench_cpu_executor.py --dtype q4_K+q6_K).
+
+// Per block: the scale (and min) of each group of 16 values, fp32: q4_K / q5_K d*sc_j, dmin*m_j per 32-value
+// sub-block j (groups 2j, 2j + 1), q6_K d*scales[g], q8_0 d, mxfp4_gguf half the E8M0 scale (x twice e2m1).
+template <int TYPE>
+TANDEM_INLINE void header(const uint8_t* b, float* s, float* o) {
+  if constexpr (TYPE == kQ4K || TYPE == kQ5K) {
+    const float d = half_to_f32(b), dmin = half_to_f32(b + 2);
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      k4_scale_min(b + 4, j, sc, m);
+      s[j] = d * static_cast<float>(sc);
+      o[j] = dmin * static_cast<float>(m);
+    }
+  } else if constexpr (TYPE == kQ6K) {
+    const float d = half_to_f32(b + 208);
+    for (int g = 0; g < 16; ++g) s[g] = d * static_cast<float>(reinterpret_cast<const int8_t*>(b + 192)[g]);
+  } else if constexpr (TYPE == kQ80) {
+    s[0] = half_to_f32(b);
+  } else {
+    const uint32_t e = b[0];
+    s[0] = bits_f32(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+  }
+}
+
+TANDEM_INLINE __m512i widen16(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+TANDEM_INLINE __m512i bits(__m512i v, int shift, int mask) {
+  return _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(shift)), _mm512_set1_epi32(mask));
+}
+
+// Values 16c .. 16c + 15 of block b as fp32 (the reference's s * q - o; one rounding where it has two).
+template <int TYPE>
+TANDEM_INLINE __m512 chunk(const uint8_t* b, int c, const float* s, const float* o, __m512 table) {
+  if constexpr (TYPE == kQ4K || TYPE == kQ5K) {
+    const int j = c >> 1, half = c & 1;  // sub-block j: bytes 32 (j / 2) + 16 half .. + 15 of qs, nibble j % 2
+    __m512i q = bits(widen16(b + (TYPE == kQ4K ? 16 : 48) + 32 * (j >> 1) + 16 * half), 4 * (j & 1), 15);
+    if constexpr (TYPE == kQ5K) q = _mm512_or_si512(q, _mm512_slli_epi32(bits(widen16(b + 16 + 16 * half), j, 1), 4));
+    return _mm512_fmsub_ps(_mm512_set1_ps(s[j]), _mm512_cvtepi32_ps(q), _mm512_set1_ps(o[j]));
+  } else if constexpr (TYPE == kQ6K) {
+    const int h = c >> 3, r0 = 16 * (c & 7);  // values 128h + r0 + lane
+    const __m512i lo = bits(widen16(b + 64 * h + (r0 & 63)), 4 * (r0 >> 6), 15);
+    const __m512i hi = bits(widen16(b + 128 + 32 * h + (r0 & 31)), 2 * (r0 >> 5), 3);
+    const __m512i q = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32));
+    return _mm512_mul_ps(_mm512_set1_ps(s[c]), _mm512_cvtepi32_ps(q));
+  } else if constexpr (TYPE == kQ80) {
+    const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * c)));
+    return _mm512_mul_ps(_mm512_set1_ps(s[0]), _mm512_cvtepi32_ps(q));
+  } else {  // mxfp4_gguf: chunk 0 the low nibbles of bytes 1..16, chunk 1 the high ones; twice e2m1 by table
+    const __m512i nib = bits(widen16(b + 1), 4 * c, 15);
+    return _mm512_mul_ps(_mm512_set1_ps(s[0]), _mm512_permutexvar_ps(nib, table));
+  }
+}
+
+// Tokens t0 .. t0 + NT - 1 over every row: NT a template argument, so the accumulators stay in registers.
+template <int TYPE, int NT>
+void rows_t(const GemvArgs& a, int t0) {
+  constexpr int qk = TYPE <= kQ6K ? 256 : 32, bb = TYPE == kQ4K ? 144 : TYPE == kQ5K ? 176 : TYPE == kQ6K ? 210
+                                                   : TYPE == kQ80 ? 34 : 17;
+  const int nb = a.K / qk;
+  const __m512 table = _mm512_loadu_ps(kE2m1x2);
+  const float* x[NT];
+  for (int t = 0; t < NT; ++t) x[t] = static_cast<const float*>(a.X[t0 + t]);
+  alignas(64) float s[16], o[8];
+  for (int r = 0; r < a.nrows; ++r) {
+    const uint8_t* row = static_cast<const uint8_t*>(a.W) + r * a.ldb;
+    __m512 acc[2][NT];  // even and odd chunks: two FMA chains per token (one waits on the FMA's latency)
+    for (int t = 0; t < NT; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
+    for (int blk = 0; blk < nb; ++blk) {
+      const uint8_t* bp = row + blk * bb;
+      _mm_prefetch(reinterpret_cast<const char*>(bp) + 1024, _MM_HINT_T1);  // the stream ahead, into L2
+      header<TYPE>(bp, s, o);
+      for (int c = 0; c < qk / 16; c += 2) {  // qk / 16 is 16 or 2
+        const __m512 w0 = chunk<TYPE>(bp, c, s, o, table), w1 = chunk<TYPE>(bp, c + 1, s, o, table);
+        for (int t = 0; t < NT; ++t) {
+          const float* xc = x[t] + blk * qk + 16 * c;
+          acc[0][t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xc), acc[0][t]);
+          acc[1][t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xc + 16), acc[1][t]);
+        }
+      }
+    }
+    for (int t = 0; t < NT; ++t) store(a, r, t0 + t, _mm512_reduce_add_ps(_mm512_add_ps(acc[0][t], acc[1][t])));
+  }
+}
+
+template <int TYPE>
+void gemv_t(const GemvArgs& a) {
+  for (int t0 = 0; t0 < a.ntok; t0 += kTok) {
+    switch (std::min(kTok, a.ntok - t0)) {
+      case 1: rows_t<TYPE, 1>(a, t0); break;
+      case 2: rows_t<TYPE, 2>(a, t0); break;
+      case 3: rows_t<TYPE, 3>(a, t0); break;
+      case 4: rows_t<TYPE, 4>(a, t0); break;
+      case 5: rows_t<TYPE, 5>(a, t0); break;
+      case 6: rows_t<TYPE, 6>(a, t0); break;
+      case 7: rows_t<TYPE, 7>(a, t0); break;
+      default: rows_t<TYPE, 8>(a, t0); break;
+    }
+  }
+}
+
+void gemv_gguf(const GemvArgs& a) {
+  switch (a.gguf) {
+    case kQ4K: gemv_t<kQ4K>(a); break;
+    case kQ5K: gemv_t<kQ5K>(a); break;
+    case kQ6K: gemv_t<kQ6K>(a); break;
+    case kQ80: gemv_t<kQ80>(a); break;
+    default: gemv_t<kMxfp4Gguf>(a); break;
+  }
+}
+}  // namespace avx512
+#pragma GCC pop_options
+
+GemvFn gguf_kernel(const char* isa) {
+  if (!isa) return nullptr;
+  const bool has512 = std::strcmp(isa, "avx512bf16") == 0 || std::strcmp(isa, "avx512") == 0;
+  return has512 ? avx512::gemv_gguf : scalar::gemv_gguf;  // AVX2 hosts take the scalar one, like MXFP4
+}
+
+}  // namespace tandem

@@ -1,0 +1,169 @@
+"""CPU executor on GGUF banks (q4_K, q5_K, q6_K, q8_0, mxfp4_gguf; gate_up and down of different types as in
+Q4_K_M files) against the torch reference (services/engine/moe/gguf_quant.dequantize, itself bit-equal to
+gguf-py, + moe_reference), for every ISA this CPU has (the AVX-512 kernel and the scalar one).
+
+Banks are gguf_quant.quantize of random weights (valid blocks); plain SwiGLU and gpt-oss's (biases, clamp);
+shapes of one block, rows of several blocks, gate rows of one expert split across workers, batches with
+repeated experts; fp32 and bf16 models (the GGUF kernels take fp32 inputs either way)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.moe.banks import ExpertBanks, LayerBanks
+from services.engine.moe.cpu_executor import CpuExecutor, build_extension
+from services.engine.moe.gguf_quant import GGUFType, dequantize, quantize, row_bytes
+from services.engine.moe.reference import ClampedSwiGLU, moe_reference
+
+Q4, Q5, Q6, Q8, MX = GGUFType.Q4_K, GGUFType.Q5_K, GGUFType.Q6_K, GGUFType.Q8_0, GGUFType.MXFP4
+CASES = [  # gate_up type, down type, T, A, E, D, I
+    (Q4, Q6, 1, 4, 8, 256, 256),  # Q4_K_M's pair, decode
+    (Q5, Q8, 5, 3, 6, 256, 512),  # repeated experts; down rows of 16 q8_0 blocks
+    (Q6, Q4, 3, 2, 3, 512, 256),
+    (Q8, MX, 1, 1, 1, 32, 32),  # one block each way
+    (MX, Q5, 4, 2, 3, 64, 256),
+    (Q4, Q4, 2, 2, 2, 256, 256),
+    (Q4, Q6, 19, 1, 1, 256, 256),  # ~15 tokens on one expert: token passes of 8 and of the rest
+    (Q8, MX, 14, 2, 2, 64, 64),
+]
+ISAS = [isa for isa in ("avx512bf16", "avx512", "avx2", "scalar") if build_extension().select_isa(isa)]
+ACT = ClampedSwiGLU(1.702, 7.0)
+
+
+class GgufLayer(LayerBanks):
+    """A GGUF layer whatever BANK_SCHEMAS holds: its format is the GGUF format's value ("q4_K+q6_K"), which
+    names the banks' types (gguf_quant.format_types: what CpuExecutor hands the extension), and ordered()
+    gives [gate_up, down] as the GGUF schemas do."""
+
+    def ordered(self) -> list[torch.Tensor]:
+        return [self.tensors["gate_up"], self.tensors["down"]]
+
+
+def layer(gt, dt, tensors) -> GgufLayer:
+    return GgufLayer(f"{gt.value}+{dt.value}", tensors)
+
+
+def pad_rows(bank: torch.Tensor, extra: int) -> torch.Tensor:
+    """``bank`` with ``extra`` junk bytes (0xFF: NaN fp16 scales if read) after each row's blocks."""
+    return torch.cat([bank, torch.full((*bank.shape[:2], extra), 0xFF, dtype=torch.uint8)], dim=2)
+
+
+def gguf_case(gt, dt, T, A, E, D, I, seed=0, gpt_oss=False, dtype=torch.float32, pad=0):
+    """One layer of GGUF banks (rows padded by ``pad`` junk bytes: slots shared with wider types) and a
+    step's inputs."""
+    g = torch.Generator().manual_seed(seed)
+    gate_up = quantize(torch.randn(E, 2 * I, D, generator=g) * 3 / D ** 0.5, gt)  # [E, 2I, row_bytes(D)]
+    down = quantize(torch.randn(E, D, I, generator=g) / I ** 0.5, dt)  # [E, D, row_bytes(I)]
+    tensors = {"gate_up": pad_rows(gate_up, pad), "down": pad_rows(down, pad)}
+    if gpt_oss:
+        tensors["gate_up_bias"] = torch.randn(E, 2 * I, generator=g).to(dtype)
+        tensors["down_bias"] = (torch.randn(E, D, generator=g) * 0.1).to(dtype)
+    banks = ExpertBanks([layer(gt, dt, tensors)], ACT if gpt_oss else None)
+    hidden = torch.randn(T, D, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:A] for _ in range(T)])
+    ids[torch.rand(T, A, generator=g) < 0.2] = -1
+    ids[0, 0] = 0  # at least one route
+    weights = torch.rand(T, A, generator=g)
+    return banks, hidden, ids, weights
+
+
+def reference(banks, hidden, ids, weights, gt, dt):
+    L = banks.layers[0].tensors
+    bias = None if banks.layers[0].bias is None else tuple(b.float() for b in banks.layers[0].bias)
+    D, I = L["down"].shape[1], L["gate_up"].shape[1] // 2
+    return moe_reference(hidden.float(), ids, weights, dequantize(L["gate_up"], gt, D), dequantize(L["down"], dt, I),
+                         banks.activation, bias)
+
+
+def run(banks, hidden, ids, weights, isa, threads=3):
+    ex = CpuExecutor(banks, num_threads=threads, spin_us=50, isa=isa)
+    try:
+        return ex.forward(0, hidden, ids, weights)
+    finally:
+        ex.close()
+
+
+def assert_close(out, ref, atol=2e-5):
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(out / scale, ref / scale, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("gt, dt, T, A, E, D, I", CASES, ids=lambda v: getattr(v, "value", str(v)))
+def test_gguf_matches_reference(gt, dt, T, A, E, D, I, isa):
+    banks, hidden, ids, weights = gguf_case(gt, dt, T, A, E, D, I, seed=T + D)
+    L = banks.layers[0].tensors
+    assert L["gate_up"].shape[2] == row_bytes(gt, D) and L["down"].shape[2] == row_bytes(dt, I)
+    assert_close(run(banks, hidden, ids, weights, isa), reference(banks, hidden, ids, weights, gt, dt))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_padded_rows_read_only_their_types_bytes(isa):
+    """A q4_K layer in slots as wide as q6_K rows (a Q4_K_M file's widest): junk past the blocks is not read."""
+    banks, hidden, ids, weights = gguf_case(Q4, Q4, 3, 2, 4, 256, 256, seed=2, pad=row_bytes(Q6, 256) - row_bytes(Q4, 256))
+    assert_close(run(banks, hidden, ids, weights, isa), reference(banks, hidden, ids, weights, Q4, Q4))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gguf_gpt_oss_math(isa, dtype):
+    """Biases (in the model dtype) and the clamped SwiGLU beside mxfp4_gguf banks, as gpt-oss GGUF files hold them."""
+    banks, hidden, ids, weights = gguf_case(MX, MX, 3, 4, 6, 96, 64, seed=4, gpt_oss=True, dtype=dtype)
+    out = run(banks, hidden, ids, weights, isa)
+    assert_close(out, reference(banks, hidden, ids, weights, MX, MX))
+
+
+def test_one_value_pins_the_decode():
+    """One q8_0 gate value and an identity-like rest: with hidden = e_k the output is down[:, 0] * silu(gate[k])
+    * up[k], gate[k] = d * q only at k = 5. Pins that the executor reads value k of row 0 where gguf_quant says
+    (a 34-byte block: fp16 d, then int8 q), whatever the tolerance of the random cases."""
+    D = I = 32
+    w = torch.zeros(1, 2 * I, D)
+    w[0, 0, 5] = 3.0
+    w[0, I, :] = 1.0  # up row 0: all ones
+    d = torch.zeros(1, D, I)
+    d[0, :, 0] = 1.0
+    gate_up, down = quantize(w, Q8), quantize(d, Q8)
+    gu, dn = dequantize(gate_up, Q8)[0], dequantize(down, Q8)[0]  # 3.0 and 1.0 as the fp16 d makes them
+    banks = ExpertBanks([layer(Q8, Q8, {"gate_up": gate_up, "down": down})])
+    for isa in ISAS:
+        for k in (5, 4):
+            hidden = torch.zeros(1, D)
+            hidden[0, k] = 1.0
+            out = run(banks, hidden, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), isa, threads=1)
+            expect = dn[:, 0] * (torch.nn.functional.silu(gu[0, k]) * gu[I, k])
+            assert (expect.abs().min() > 2.0) == (k == 5)
+            torch.testing.assert_close(out[0], expect, atol=1e-6, rtol=1e-6)
+
+
+def test_banks_that_do_not_fit_their_types_are_refused():
+    banks, hidden, ids, weights = gguf_case(Q8, Q8, 1, 1, 2, 64, 32)
+    L = banks.layers[0].tensors
+    ex = CpuExecutor(banks, num_threads=1, spin_us=50, isa=ISAS[-1])
+    out = torch.empty(1, 64)
+    try:
+        short = L["gate_up"][:, :, :-2].contiguous()  # another bank: no types given for it
+        with pytest.raises(RuntimeError, match=r"GGUF banks, whose types come from set_gguf_layers"):
+            ex._impl.submit(hidden, ids, weights, [short, L["down"]], out, torch.empty(0), 0)
+        ex._impl.set_gguf_layers([short], [4], [4])
+        with pytest.raises(RuntimeError, match=r"are not \[E, 2I, >= row bytes of D\]"):
+            ex._impl.submit(hidden, ids, weights, [short, L["down"]], out, torch.empty(0), 0)
+        with pytest.raises(RuntimeError, match=r"types 1..5"):
+            ex._impl.set_gguf_layers([short], [0], [4])
+    finally:
+        ex.close()
+
+
+def test_loop_counts_gguf_bytes():
+    """Loop mode's byte counter (what bench_cpu_executor's GB/s divides) counts each bank's block bytes."""
+    banks, hidden, ids, weights = gguf_case(Q4, Q6, 1, 2, 4, 256, 256, seed=3)
+    ex = CpuExecutor(banks, num_threads=2, spin_us=50, isa=ISAS[0])
+    try:
+        ex.start_loop(hidden, torch.tensor([[[0, 1]]]), weights)  # [N=1, T=1, A=2]: two experts per job
+        jobs, nbytes, _ = ex.stop_loop()
+    finally:
+        ex.close()
+    per_expert = 2 * 256 * row_bytes(Q4, 256) + 256 * row_bytes(Q6, 256)
+    assert banks.expert_nbytes() == per_expert
+    assert jobs >= 1 and nbytes == jobs * 2 * per_expert
