@@ -189,6 +189,30 @@ def gguf_row_dot(rows, mask_r, x_ptr, K, QT: tl.constexpr, BLOCK_R: tl.constexpr
         return tl.sum(acc, axis=1)
 
 
+@triton.jit
+def gguf_k4_group(rows, kg, mask, QT: tl.constexpr):
+    """q4_K / q5_K: the 64 values kg .. kg + 63 (kg a multiple of 64: one group of qs bytes) of the rows at
+    ``rows`` ([1, BN] uint8 pointers) -> (lo, hi) fp32 [32, BN]: values kg + l and kg + 32 + l. The GEMM's
+    tile: each quant byte loaded once for both of its values, the sub-block scales once per column."""
+    BPB: tl.constexpr = 144 if QT == 1 else 176
+    QS: tl.constexpr = 16 if QT == 1 else 48
+    base = rows + (kg // 256) * BPB  # [1, BN]
+    gi = (kg % 256) // 64  # the group: sub-blocks 2 gi (low nibbles) and 2 gi + 1 (high)
+    l = tl.arange(0, 32)[:, None]  # [32, 1]
+    qb = _byte(base + QS + gi * 32 + l, mask)  # [32, BN]
+    lo = qb & 15
+    hi = qb >> 4
+    if QT == 2:
+        qh = _byte(base + 16 + l, mask)
+        lo |= ((qh >> (2 * gi)) & 1) << 4
+        hi |= ((qh >> (2 * gi + 1)) & 1) << 4
+    d = _f16(base, mask)  # [1, BN]
+    dmin = _f16(base + 2, mask)
+    sc_lo, mn_lo = _k4_scale_min(base + 4, 2 * gi, mask)
+    sc_hi, mn_hi = _k4_scale_min(base + 4, 2 * gi + 1, mask)
+    return ((d * sc_lo) * lo.to(tl.float32) - dmin * mn_lo, (d * sc_hi) * hi.to(tl.float32) - dmin * mn_hi)
+
+
 def gguf_geometry(what: str, hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                   gguf_types) -> tuple[int, int, int, int]:
     """GGUF banks gate_up uint8 [E, 2I, >= row_bytes(gate_up type, D)] and down uint8 [E, D, >= row_bytes(down
