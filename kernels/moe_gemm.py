@@ -30,8 +30,9 @@ and exact in x's dtype (2 significant bits), and they meet x's even and odd colu
 nothing is interleaved; BLOCK_K is then a multiple of 32. GGUF banks (uint8 blocks without scale banks,
 each bank's type named by ``gguf_types``, rows possibly padded: services/engine/moe/gguf_quant.py): kernels/gguf_dequant.gguf_values
 decodes each [BK, BN] tile in registers into x's dtype (constexpr GQ per bank: gate_up and down may
-differ); q4_K / q5_K take 64-value groups when BLOCK_K is a multiple of 64 (each quant byte loaded once,
-split into the two dots of its nibbles, like MXFP4's even/odd), any BLOCK_K otherwise. gpt-oss experts: per-expert biases and the
+differ); the K-quants take 64-value groups when BLOCK_K is a multiple of 64 (gguf_dequant.gguf_group_dot:
+q4_K / q5_K's quant bytes loaded once, their nibbles into two dots like MXFP4's even/odd; the scales once
+per column), any BLOCK_K and the per-value decode otherwise. gpt-oss experts: per-expert biases and the
 clamped SwiGLU (moe/reference.py).
 
 Triton specializes int arguments on ==1 and %16: the sizes that change per step (R) are
@@ -48,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gguf_dequant import gguf_geometry, gguf_k4_group, gguf_values
+from kernels.gguf_dequant import gguf_geometry, gguf_group_dot, gguf_values
 from kernels.moe_align import _count_kernel, _place_kernel, align_routes, num_tiles  # noqa: F401 - re-exported
 from kernels.moe_gemv import MX_BLOCK, _e2m1, _e8m0_scale
 
@@ -181,20 +182,18 @@ def _gate_up_kernel(
                 we, wo = _load_mx(w_base + I * stride_wn, s_base + I * stride_sn, offs_n, offs_kb, k0, mask_n,
                                   mask_kb, D // 2, stride_wn, stride_sn, CDT, BLOCK_K, BLOCK_N)
                 u = _dot(xe, we, IEEE) + _dot(xo, wo, IEEE)
-            elif (GQ == 1 or GQ == 2) and BLOCK_K % 64 == 0:  # q4_K / q5_K: 64-value groups, two dots each
+            elif GQ >= 1 and GQ <= 3 and BLOCK_K % 64 == 0:  # K-quants: 64-value groups (gguf_group_dot)
                 g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 w_rows = w_base + offs_n[None, :].to(tl.int64) * stride_wn  # [1, BN] row pointers
                 for gg in tl.static_range(BLOCK_K // 64):
                     kg = k0 + gg * 64
                     if kg < D:  # a branch, not a mask: the interpreter widens `mask & scalar` to int32
-                        x_ptrs = x_ptr + tok[:, None] * stride_x + kg + tl.arange(0, 32)[None, :]
-                        x_lo = tl.load(x_ptrs, mask=valid[:, None], other=0.0)  # [BM, 32] values kg + l
-                        x_hi = tl.load(x_ptrs + 32, mask=valid[:, None], other=0.0)  # kg + 32 + l
-                        wl, wh = gguf_k4_group(w_rows, kg, mask_n[None, :], GQ)
-                        g += _dot(x_lo, wl.to(CDT), IEEE) + _dot(x_hi, wh.to(CDT), IEEE)
-                        wl, wh = gguf_k4_group(w_rows + I * stride_wn, kg, mask_n[None, :], GQ)
-                        u += _dot(x_lo, wl.to(CDT), IEEE) + _dot(x_hi, wh.to(CDT), IEEE)
+                        x_ptrs = x_ptr + tok[:, None] * stride_x + kg  # [BM, 1]
+                        g += gguf_group_dot(x_ptrs, valid[:, None], w_rows, kg, mask_n[None, :], GQ, CDT, IEEE,
+                                            BLOCK_N)
+                        u += gguf_group_dot(x_ptrs, valid[:, None], w_rows + I * stride_wn, kg, mask_n[None, :], GQ,
+                                            CDT, IEEE, BLOCK_N)
             elif GQ != 0:  # other GGUF types: [BK, BN] tiles of gate's rows and up's, decoded per value
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 mask_k = offs_k < D
@@ -259,17 +258,14 @@ def _down_kernel(
                 we, wo = _load_mx(w_base, s_base, offs_n, offs_kb, k0, mask_n, mask_kb, I // 2, stride_wn, stride_sn,
                                   CDT, BLOCK_K, BLOCK_N)
                 part = _dot(ae, we, IEEE) + _dot(ao, wo, IEEE)
-            elif (GQ == 1 or GQ == 2) and BLOCK_K % 64 == 0:  # q4_K / q5_K rows of I values: 64-value groups
+            elif GQ >= 1 and GQ <= 3 and BLOCK_K % 64 == 0:  # K-quant rows of I values: 64-value groups
                 part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 w_rows = w_base + offs_n[None, :].to(tl.int64) * stride_wn
                 for gg in tl.static_range(BLOCK_K // 64):
                     kg = k0 + gg * 64
-                    if kg < I:  # a branch, not a mask (as above)
-                        a_ptrs = act_ptr + rows[:, None] * stride_act + kg + tl.arange(0, 32)[None, :]
-                        a_lo = tl.load(a_ptrs)  # [BM, 32] (act_buf has every padded row, I columns)
-                        a_hi = tl.load(a_ptrs + 32)
-                        wl, wh = gguf_k4_group(w_rows, kg, mask_n[None, :], GQ)
-                        part += _dot(a_lo, wl.to(CDT), IEEE) + _dot(a_hi, wh.to(CDT), IEEE)
+                    if kg < I:  # a branch, not a mask (as above); act_buf has every padded row
+                        part += gguf_group_dot(act_ptr + rows[:, None] * stride_act + kg, rows[:, None] >= 0, w_rows,
+                                               kg, mask_n[None, :], GQ, CDT, IEEE, BLOCK_N)
             elif GQ != 0:  # other GGUF rows of I values, decoded per value
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 mask_k = offs_k < I

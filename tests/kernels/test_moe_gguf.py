@@ -80,7 +80,7 @@ def test_gemm_matches_reference(gt, dt, T, A, E, D, I):
     T = T * 3  # several routes per expert: tiles of more than one row
     hidden, ids, weights, gate_up, down, bias = gguf_case(gt, dt, T, A, E, D, I, seed=T, device=kernel_device())
     ref = reference(hidden, ids, weights, gate_up, down, gt, dt)
-    for cfg in (SMALL, SMALL64) if Q4 in (gt, dt) or Q5 in (gt, dt) else (SMALL,):
+    for cfg in (SMALL, SMALL64) if {gt, dt} & {Q4, Q5, Q6} else (SMALL,):
         assert_close(moe_gemm(hidden, ids, weights, gate_up, down, config=cfg, gguf_types=(gt, dt)), ref, atol=2e-5)
 
 
