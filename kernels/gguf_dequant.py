@@ -189,6 +189,72 @@ def gguf_row_dot(rows, mask_r, x_ptr, K, QT: tl.constexpr, BLOCK_R: tl.constexpr
         return tl.sum(acc, axis=1)
 
 
+@triton.jit
+def gguf_k4_group(rows, kg, mask, QT: tl.constexpr):
+    """q4_K / q5_K: the 64 values kg .. kg + 63 (kg a multiple of 64: one group of qs bytes) of the rows at
+    ``rows`` ([1, BN] uint8 pointers) -> (lo, hi) fp32 [32, BN]: values kg + l and kg + 32 + l. The GEMM's
+    tile: each quant byte loaded once for both of its values, the sub-block scales once per column."""
+    BPB: tl.constexpr = 144 if QT == 1 else 176
+    QS: tl.constexpr = 16 if QT == 1 else 48
+    base = rows + (kg // 256) * BPB  # [1, BN]
+    gi = (kg % 256) // 64  # the group: sub-blocks 2 gi (low nibbles) and 2 gi + 1 (high)
+    l = tl.arange(0, 32)[:, None]  # [32, 1]
+    qb = _byte(base + QS + gi * 32 + l, mask)  # [32, BN]
+    lo = qb & 15
+    hi = qb >> 4
+    if QT == 2:
+        qh = _byte(base + 16 + l, mask)
+        lo |= ((qh >> (2 * gi)) & 1) << 4
+        hi |= ((qh >> (2 * gi + 1)) & 1) << 4
+    d = _f16(base, mask)  # [1, BN]
+    dmin = _f16(base + 2, mask)
+    sc_lo, mn_lo = _k4_scale_min(base + 4, 2 * gi, mask)
+    sc_hi, mn_hi = _k4_scale_min(base + 4, 2 * gi + 1, mask)
+    return ((d * sc_lo) * lo.to(tl.float32) - dmin * mn_lo, (d * sc_hi) * hi.to(tl.float32) - dmin * mn_hi)
+
+
+@triton.jit
+def gguf_q6k_group(rows, kg, mask, BLOCK_N: tl.constexpr):
+    """q6_K: the 64 values kg .. kg + 63 (kg a multiple of 64: j = kg % 256 / 64 = 2h + n takes nibble n of
+    ql bytes 64h .. 64h + 63) of the rows at ``rows`` ([1, BN]) -> fp32 [64, BN], the 16-value scales
+    loaded once per column."""
+    base = rows + (kg // 256) * 210  # [1, BN]
+    j = (kg % 256) // 64
+    h = j // 2
+    n = j % 2
+    r = tl.arange(0, 64)[:, None]  # [64, 1]: values 128h + 64n + r
+    lo = (_byte(base + 64 * h + r, mask) >> (4 * n)) & 15
+    hi = (_byte(base + 128 + 32 * h + r % 32, mask) >> (2 * (2 * n + r // 32))) & 3
+    sc = tl.load(base + 192 + 8 * h + 4 * n + tl.arange(0, 4)[:, None], mask=mask, other=0)
+    s = _f16(base + 208, mask) * sc.to(tl.int8, bitcast=True).to(tl.float32)  # [4, BN] d * scale
+    s64 = tl.reshape(tl.broadcast_to(s[:, None, :], [4, 16, BLOCK_N]), [64, BLOCK_N])  # each on its 16 values
+    return s64 * ((lo | (hi << 4)) - 32).to(tl.float32)
+
+
+@triton.jit
+def _gdot(a, b, IEEE: tl.constexpr):
+    if IEEE:  # fp32 operands: no tf32 rounding
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def gguf_group_dot(x_ptrs, x_mask, rows, kg, mask, QT: tl.constexpr, CDT: tl.constexpr, IEEE: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """The grouped GEMM's k-quant step: X[:, kg:kg + 64] @ W[:, kg:kg + 64]^T -> fp32 [BM, BN], with x_ptrs
+    [BM, 1] pointing at value kg of each input row (x_mask [BM, 1]) and rows [1, BN] at the weight rows.
+    q4_K / q5_K: two dots, the quant bytes' low nibbles with x's first 32 values and the high with the
+    next 32; q6_K: one dot."""
+    if QT == 3:
+        x = tl.load(x_ptrs + tl.arange(0, 64)[None, :], mask=x_mask, other=0.0)  # [BM, 64]
+        return _gdot(x, gguf_q6k_group(rows, kg, mask, BLOCK_N).to(CDT), IEEE)
+    l32 = tl.arange(0, 32)[None, :]
+    x_lo = tl.load(x_ptrs + l32, mask=x_mask, other=0.0)  # [BM, 32] values kg + l
+    x_hi = tl.load(x_ptrs + 32 + l32, mask=x_mask, other=0.0)  # kg + 32 + l
+    wl, wh = gguf_k4_group(rows, kg, mask, QT)
+    return _gdot(x_lo, wl.to(CDT), IEEE) + _gdot(x_hi, wh.to(CDT), IEEE)
+
+
 def gguf_geometry(what: str, hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                   gguf_types) -> tuple[int, int, int, int]:
     """GGUF banks gate_up uint8 [E, 2I, >= row_bytes(gate_up type, D)] and down uint8 [E, D, >= row_bytes(down

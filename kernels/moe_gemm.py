@@ -10,7 +10,8 @@ read instead of 81 x 9.4 MB, and a 4 x 60-token prefill (1920 routes over <= 128
 layer instead of 1.2 GB. Here the routes are grouped by expert into tiles of BLOCK_M rows (the idea of
 vLLM's fused_moe); a program multiplies one tile by a BLOCK_N slice of its expert on the tensor cores.
 
-    align:  routes [M] (route index per padded row, R = padding) · tile_expert [NT] (-1 = unused tile)
+    align:  routes [M] (route index per padded row, R = padding) · tile_expert [NT] (-1 = unused tile);
+            kernels/moe_align.py
     act[m, :] = glu(x[tok(m)] @ gate_up[e]^T (+ bias))                     kernel 1, stored in x's dtype
     y[r, :]   = w_r * (act[m(r)] @ down[e]^T (+ bias))                     kernel 2, fp32, by route
     out[t, :] = sum over the A routes of t (skipped ones left out), cast   kernel 3
@@ -29,7 +30,9 @@ and exact in x's dtype (2 significant bits), and they meet x's even and odd colu
 nothing is interleaved; BLOCK_K is then a multiple of 32. GGUF banks (uint8 blocks without scale banks,
 each bank's type named by ``gguf_types``, rows possibly padded: services/engine/moe/gguf_quant.py): kernels/gguf_dequant.gguf_values
 decodes each [BK, BN] tile in registers into x's dtype (constexpr GQ per bank: gate_up and down may
-differ), any BLOCK_K. gpt-oss experts: per-expert biases and the
+differ); the K-quants take 64-value groups when BLOCK_K is a multiple of 64 (gguf_dequant.gguf_group_dot:
+q4_K / q5_K's quant bytes loaded once, their nibbles into two dots like MXFP4's even/odd; the scales once
+per column), any BLOCK_K and the per-value decode otherwise. gpt-oss experts: per-expert biases and the
 clamped SwiGLU (moe/reference.py).
 
 Triton specializes int arguments on ==1 and %16: the sizes that change per step (R) are
@@ -46,7 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gguf_dequant import gguf_geometry, gguf_values
+from kernels.gguf_dequant import gguf_geometry, gguf_group_dot, gguf_values
+from kernels.moe_align import _count_kernel, _place_kernel, align_routes, num_tiles  # noqa: F401 - re-exported
 from kernels.moe_gemv import MX_BLOCK, _e2m1, _e8m0_scale
 
 SCALE_BLOCK = 128  # fp8_block: the edge of a scale's block (fp8.BLOCK)
@@ -97,74 +101,6 @@ def pick_config(R: int, E: int, device: torch.device) -> GemmConfig:
 def all_configs(device: torch.device) -> list[GemmConfig]:
     """Every config the table can pick on ``device`` (what a warm-up compiles)."""
     return [cfg for _, cfg in CONFIGS.get(device_key(device), CONFIGS["default"])]
-
-
-def num_tiles(R: int, E: int, block_m: int) -> int:
-    """Upper bound of the tiles of R routes over E experts: full tiles plus one partial tile per expert."""
-    return triton.cdiv(R, block_m) + min(E, R)
-
-
-# -- alignment ----------------------------------------------------------------------------------------------
-# Two launches, no torch ops (a decode step replays them 24-48 times: each tiny launch costs ~2 us in a graph).
-@triton.jit(do_not_specialize=["R"])
-def _count_kernel(ids_ptr, counts_ptr, R, BLOCK_R: tl.constexpr):
-    """Program e: the number of routes to expert e."""
-    e = tl.program_id(0)
-    n = 0
-    for r0 in range(0, R, BLOCK_R):
-        offs = r0 + tl.arange(0, BLOCK_R)
-        ids = tl.load(ids_ptr + offs, mask=offs < R, other=-1)
-        n += tl.sum((ids == e).to(tl.int32), axis=0)
-    tl.store(counts_ptr + e, n)
-
-
-@triton.jit(do_not_specialize=["R", "NT"])
-def _place_kernel(ids_ptr, counts_ptr, routes_ptr, tiles_ptr, R, E, NT,
-                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Program e: expert e's tiles start after the tiles of the experts before it; it writes the indices of
-    its routes there in route order, R into the padding rows of its last tile, and e as the expert of its
-    tiles. The last program marks the unused tiles -1."""
-    e = tl.program_id(0)
-    first = 0  # tiles of the experts before e
-    for e0 in range(0, E, BLOCK_E):
-        offs = e0 + tl.arange(0, BLOCK_E)
-        c = tl.load(counts_ptr + offs, mask=offs < e, other=0)
-        first += tl.sum((c + BLOCK_M - 1) // BLOCK_M, axis=0)
-    count = tl.load(counts_ptr + e)
-    ntiles = (count + BLOCK_M - 1) // BLOCK_M
-    row0 = first * BLOCK_M
-    row = row0
-    for r0 in range(0, R, BLOCK_R):
-        offs = r0 + tl.arange(0, BLOCK_R)
-        ids = tl.load(ids_ptr + offs, mask=offs < R, other=-1)
-        hit = (ids == e).to(tl.int32)
-        pos = row + tl.cumsum(hit, axis=0) - 1  # [BLOCK_R] rank among this block's hits
-        tl.store(routes_ptr + pos, offs, mask=hit > 0)
-        row += tl.sum(hit, axis=0)
-    pad = row0 + count + tl.arange(0, BLOCK_M)  # at most BLOCK_M - 1 padding rows
-    tl.store(routes_ptr + pad, tl.full([BLOCK_M], 0, tl.int32) + R, mask=pad < row0 + ntiles * BLOCK_M)
-    for t0 in range(0, ntiles, BLOCK_R):
-        t = t0 + tl.arange(0, BLOCK_R)
-        tl.store(tiles_ptr + first + t, tl.full([BLOCK_R], 0, tl.int32) + e, mask=t < ntiles)
-    if e == E - 1:
-        for t0 in range(first + ntiles, NT, BLOCK_R):
-            t = t0 + tl.arange(0, BLOCK_R)
-            tl.store(tiles_ptr + t, tl.full([BLOCK_R], -1, tl.int32), mask=t < NT)
-
-
-def align_routes(ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [R] int (-1 = skipped) -> (routes [NT*block_m] int32: the route of each padded row, R where the
-    row is padding, unset in unused tiles; tile_expert [NT] int32: the expert of each tile, -1 past the used
-    ones). On the device, no host sync; NT = num_tiles(R, E, block_m)."""
-    R = ids.numel()
-    NT = num_tiles(R, E, block_m)
-    ids = ids.contiguous()
-    counts = torch.empty(E, dtype=torch.int32, device=ids.device)
-    routes = torch.empty(NT * block_m, dtype=torch.int32, device=ids.device)
-    tile_expert = torch.empty(NT, dtype=torch.int32, device=ids.device)
-    _count_kernel[(E,)](ids, counts, R, BLOCK_R=256)
-    _place_kernel[(E,)](ids, counts, routes, tile_expert, R, E, NT, BLOCK_M=block_m, BLOCK_R=256, BLOCK_E=256)
-    return routes, tile_expert
 
 
 # -- expert kernels -----------------------------------------------------------------------------------------
@@ -246,7 +182,19 @@ def _gate_up_kernel(
                 we, wo = _load_mx(w_base + I * stride_wn, s_base + I * stride_sn, offs_n, offs_kb, k0, mask_n,
                                   mask_kb, D // 2, stride_wn, stride_sn, CDT, BLOCK_K, BLOCK_N)
                 u = _dot(xe, we, IEEE) + _dot(xo, wo, IEEE)
-            elif GQ != 0:  # GGUF: [BK, BN] tiles of gate's rows and up's, decoded in registers
+            elif GQ >= 1 and GQ <= 3 and BLOCK_K % 64 == 0:  # K-quants: 64-value groups (gguf_group_dot)
+                g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                w_rows = w_base + offs_n[None, :].to(tl.int64) * stride_wn  # [1, BN] row pointers
+                for gg in tl.static_range(BLOCK_K // 64):
+                    kg = k0 + gg * 64
+                    if kg < D:  # a branch, not a mask: the interpreter widens `mask & scalar` to int32
+                        x_ptrs = x_ptr + tok[:, None] * stride_x + kg  # [BM, 1]
+                        g += gguf_group_dot(x_ptrs, valid[:, None], w_rows, kg, mask_n[None, :], GQ, CDT, IEEE,
+                                            BLOCK_N)
+                        u += gguf_group_dot(x_ptrs, valid[:, None], w_rows + I * stride_wn, kg, mask_n[None, :], GQ,
+                                            CDT, IEEE, BLOCK_N)
+            elif GQ != 0:  # other GGUF types: [BK, BN] tiles of gate's rows and up's, decoded per value
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 mask_k = offs_k < D
                 x = tl.load(x_ptr + tok[:, None] * stride_x + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
@@ -310,7 +258,15 @@ def _down_kernel(
                 we, wo = _load_mx(w_base, s_base, offs_n, offs_kb, k0, mask_n, mask_kb, I // 2, stride_wn, stride_sn,
                                   CDT, BLOCK_K, BLOCK_N)
                 part = _dot(ae, we, IEEE) + _dot(ao, wo, IEEE)
-            elif GQ != 0:  # GGUF rows of I values
+            elif GQ >= 1 and GQ <= 3 and BLOCK_K % 64 == 0:  # K-quant rows of I values: 64-value groups
+                part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                w_rows = w_base + offs_n[None, :].to(tl.int64) * stride_wn
+                for gg in tl.static_range(BLOCK_K // 64):
+                    kg = k0 + gg * 64
+                    if kg < I:  # a branch, not a mask (as above); act_buf has every padded row
+                        part += gguf_group_dot(act_ptr + rows[:, None] * stride_act + kg, rows[:, None] >= 0, w_rows,
+                                               kg, mask_n[None, :], GQ, CDT, IEEE, BLOCK_N)
+            elif GQ != 0:  # other GGUF rows of I values, decoded per value
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 mask_k = offs_k < I
                 a = tl.load(act_ptr + rows[:, None] * stride_act + offs_k[None, :], mask=mask_k[None, :], other=0.0)

@@ -247,6 +247,64 @@ void rows_t(const GemvArgs& a, int t0) {
       const uint8_t* bp = row + blk * bb;
       _mm_prefetch(reinterpret_cast<const char*>(bp) + 1024, _MM_HINT_T1);  // the stream ahead, into L2
       header<TYPE>(bp, s, o);
+      if constexpr (TYPE == kQ4K || TYPE == kQ5K) {  // per 32 qs bytes (values 64g .. 64g + 63): each byte
+        // widened once for both nibbles, immediate shifts (srlv by a set1 and a widen per 16 values: ~30% slower)
+        __m512i qh0, qh1;
+        if constexpr (TYPE == kQ5K) { qh0 = widen16(bp + 16); qh1 = widen16(bp + 32); }
+        const __m512i m15 = _mm512_set1_epi32(15), one = _mm512_set1_epi32(1);
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; ++g) {
+          const uint8_t* qs = bp + (TYPE == kQ4K ? 16 : 48) + 32 * g;
+          const __m512i b0 = widen16(qs), b1 = widen16(qs + 16);
+          __m512i lo0 = _mm512_and_si512(b0, m15), lo1 = _mm512_and_si512(b1, m15);
+          __m512i hi0 = _mm512_srli_epi32(b0, 4), hi1 = _mm512_srli_epi32(b1, 4);
+          if constexpr (TYPE == kQ5K) {  // bit j of qh[l]: sub-block j = 2g (low nibbles), 2g + 1 (high)
+            const __m512i sh_lo = _mm512_set1_epi32(2 * g), sh_hi = _mm512_set1_epi32(2 * g + 1);
+            lo0 = _mm512_or_si512(lo0, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(qh0, sh_lo), one), 4));
+            lo1 = _mm512_or_si512(lo1, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(qh1, sh_lo), one), 4));
+            hi0 = _mm512_or_si512(hi0, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(qh0, sh_hi), one), 4));
+            hi1 = _mm512_or_si512(hi1, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(qh1, sh_hi), one), 4));
+          }
+          const __m512 s_lo = _mm512_set1_ps(s[2 * g]), o_lo = _mm512_set1_ps(o[2 * g]);
+          const __m512 s_hi = _mm512_set1_ps(s[2 * g + 1]), o_hi = _mm512_set1_ps(o[2 * g + 1]);
+          const __m512 w00 = _mm512_fmsub_ps(s_lo, _mm512_cvtepi32_ps(lo0), o_lo);  // values 64g + 0..15
+          const __m512 w01 = _mm512_fmsub_ps(s_lo, _mm512_cvtepi32_ps(lo1), o_lo);  // 64g + 16..31
+          const __m512 w10 = _mm512_fmsub_ps(s_hi, _mm512_cvtepi32_ps(hi0), o_hi);  // 64g + 32..47
+          const __m512 w11 = _mm512_fmsub_ps(s_hi, _mm512_cvtepi32_ps(hi1), o_hi);  // 64g + 48..63
+          for (int t = 0; t < NT; ++t) {
+            const float* xc = x[t] + blk * qk + 64 * g;
+            acc[0][t] = _mm512_fmadd_ps(w00, _mm512_loadu_ps(xc), acc[0][t]);
+            acc[1][t] = _mm512_fmadd_ps(w01, _mm512_loadu_ps(xc + 16), acc[1][t]);
+            acc[0][t] = _mm512_fmadd_ps(w10, _mm512_loadu_ps(xc + 32), acc[0][t]);
+            acc[1][t] = _mm512_fmadd_ps(w11, _mm512_loadu_ps(xc + 48), acc[1][t]);
+          }
+        }
+        continue;
+      }
+      if constexpr (TYPE == kQ6K) {  // per half h (128 values): ql's 64 bytes widened once for both nibbles,
+        // qh's 32 once for its four 2-bit fields
+        const __m512i m15 = _mm512_set1_epi32(15), m3 = _mm512_set1_epi32(3), k32 = _mm512_set1_epi32(32);
+        for (int h = 0; h < 2; ++h) {
+          const __m512i qh[2] = {widen16(bp + 128 + 32 * h), widen16(bp + 128 + 32 * h + 16)};
+#pragma GCC unroll 4
+          for (int q = 0; q < 4; ++q) {  // ql bytes 64h + 16q + lane: values 128h + 16q + lane (low), +64 (high)
+            const __m512i b = widen16(bp + 64 * h + 16 * q);
+            const __m512i hb = qh[q & 1];  // qh[32h + (16q) % 32 + lane]: bits 2 (q / 2) low, 4 + 2 (q / 2) high
+            const __m512i lo = _mm512_or_si512(_mm512_and_si512(b, m15), _mm512_slli_epi32(
+                _mm512_and_si512(_mm512_srlv_epi32(hb, _mm512_set1_epi32(2 * (q >> 1))), m3), 4));
+            const __m512i hi = _mm512_or_si512(_mm512_srli_epi32(b, 4), _mm512_slli_epi32(
+                _mm512_and_si512(_mm512_srlv_epi32(hb, _mm512_set1_epi32(4 + 2 * (q >> 1))), m3), 4));
+            const __m512 w_lo = _mm512_mul_ps(_mm512_set1_ps(s[8 * h + q]), _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, k32)));
+            const __m512 w_hi = _mm512_mul_ps(_mm512_set1_ps(s[8 * h + 4 + q]), _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, k32)));
+            for (int t = 0; t < NT; ++t) {
+              const float* xc = x[t] + blk * qk + 128 * h + 16 * q;
+              acc[0][t] = _mm512_fmadd_ps(w_lo, _mm512_loadu_ps(xc), acc[0][t]);
+              acc[1][t] = _mm512_fmadd_ps(w_hi, _mm512_loadu_ps(xc + 64), acc[1][t]);
+            }
+          }
+        }
+        continue;
+      }
       for (int c = 0; c < qk / 16; c += 2) {  // qk / 16 is 16 or 2
         const __m512 w0 = chunk<TYPE>(bp, c, s, o, table), w1 = chunk<TYPE>(bp, c + 1, s, o, table);
         for (int t = 0; t < NT; ++t) {
