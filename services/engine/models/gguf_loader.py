@@ -22,13 +22,12 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from tqdm import tqdm
 
 from services.common.logging import get_logger
 from services.engine.models.causal_lm import MoECausalLM
 from services.engine.models.errors import LoaderError
 from services.engine.models.gguf_reader import GGUFFile
-from services.engine.models.loader import build_empty_model
+from services.engine.models.loader import LoadProgress, build_empty_model
 from services.engine.models.spec import ModelSpec
 from services.engine.moe.banks import ExpertBanks, ExpertFormat, gguf_format
 
@@ -201,15 +200,7 @@ def load_gguf(path: str | Path, device: torch.device, dtype: torch.dtype,
     model = build_empty_model(spec, torch.device(device), dtype)
     params = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
     total = len(params) + spec.num_moe_layers * (3 + (3 if spec.expert_bias else 0))
-    bar = tqdm(total=total, desc=f"loading {Path(path).name}", unit="tensor", leave=False)
-    done = 0
-
-    def step() -> None:
-        nonlocal done
-        done += 1
-        bar.update(1)
-        if progress is not None:
-            progress({"phase": "loading", "done": done, "total": total, "fraction": done / total})
+    step = LoadProgress(total, Path(path).name, progress)
 
     try:
         with torch.no_grad():
@@ -227,7 +218,7 @@ def load_gguf(path: str | Path, device: torch.device, dtype: torch.dtype,
             for ordinal, layer in enumerate(spec.moe_layer_ids):
                 _load_layer(f, spec, layer, banks.layers[ordinal], step)
     finally:
-        bar.close()
+        step.close()
     log.info("loaded %s: %s, %d layers (%d MoE), E=%d, A=%d, D=%d, I=%d, experts %s", path, spec.model_type,
              spec.num_layers, spec.num_moe_layers, E, spec.top_k, D, I,
              ", ".join(sorted({fmt.value for fmt in formats})))

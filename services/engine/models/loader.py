@@ -44,6 +44,25 @@ INDEX_FILE = "model.safetensors.index.json"
 Progress = Callable[[dict], None]
 
 
+class LoadProgress:
+    """One step per tensor copied: a progress bar on the terminal and ``progress`` dicts for /health. Called as
+    ``step()``; ``close()`` ends the bar."""
+
+    def __init__(self, total: int, name: str, progress: Callable[[dict], None] | None):
+        self.total, self.done, self.progress = total, 0, progress
+        self.bar = tqdm(total=total, desc=f"loading {name}", unit="tensor", leave=False)
+
+    def __call__(self) -> None:
+        self.done += 1
+        self.bar.update(1)
+        if self.progress is not None:
+            self.progress({"phase": "loading", "done": self.done, "total": self.total,
+                           "fraction": self.done / self.total})
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def read_spec(model_dir: Path) -> ModelSpec:
     """``model_dir/config.json`` -> ModelSpec (LoaderError if missing, unreadable or unsupported)."""
     path = Path(model_dir) / "config.json"
@@ -191,15 +210,7 @@ def load_checkpoint(model_dir: str | Path, device: torch.device, dtype: torch.dt
                           "an FP8 checkpoint are not supported; the loader reads per-expert FP8 tensors")
     total = len(params) + (gpt_oss_experts.num_steps(spec) if gpt_oss else
                            sum(2 if layer in fused else 3 * E for layer in spec.moe_layer_ids))
-    bar = tqdm(total=total, desc=f"loading {model_dir.name}", unit="tensor", leave=False)
-    done = 0
-
-    def step() -> None:
-        nonlocal done
-        done += 1
-        bar.update(1)
-        if progress is not None:
-            progress({"phase": "loading", "done": done, "total": total, "fraction": done / total})
+    step = LoadProgress(total, model_dir.name, progress)
 
     try:
         with torch.no_grad():
@@ -214,7 +225,7 @@ def load_checkpoint(model_dir: str | Path, device: torch.device, dtype: torch.dt
             else:
                 _load_experts(spec, ckpt, banks, fused, step)
     finally:
-        bar.close()
+        step.close()
     log.info("loaded %s: %s, %d layers (%d MoE), E=%d, A=%d, D=%d, I=%d, experts %s", model_dir, spec.model_type,
              spec.num_layers, spec.num_moe_layers, E, spec.top_k, D, I, fmt.value)
     return spec, model, banks
