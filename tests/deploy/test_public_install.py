@@ -89,7 +89,9 @@ def test_each_extra_resolves_on_the_public_index(name, tmp_path):
     installed = resolve_public(extra(name), tmp_path)
     missing = {canonicalize_name(Requirement(r).name) for r in extra(name)} - set(installed)
     assert not missing, f"[{name}]: resolved without {missing}"
-    if "torch" in installed:
+    # An extra that pins torch must get that torch; dev pulls torch only through accelerate (transformers' GGUF
+    # reference) and is installed beside engine (make setup), whose pin then holds.
+    if "torch" in installed and any(Requirement(r).name == "torch" for r in extra(name)):
         check_torch_and_triton(installed, extra(name))
 
 
