@@ -280,12 +280,23 @@ def moe_gemv(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         quant = FP8
     else:
         quant = PLAIN
+    scales = (gate_up_scale, down_scale) if quant != PLAIN else None
+    return _launch(hidden, topk_ids, topk_weights, gate_up, down, act, bias, D, I, quant, scales, nb)
+
+
+def _launch(hidden, topk_ids, topk_weights, gate_up, down, act, bias, D: int, I: int, quant: int, scales=None,
+            nb: int = 0, qts: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """The three kernels of moe_gemv on checked banks: ``scales`` (gate_up's, down's) for FP8 / MXFP4, ``qts``
+    the two banks' GGUF type codes (QUANT=GGUF)."""
+    T, A = topk_ids.shape
+    E = gate_up.shape[0]
     if bias is not None and (tuple(bias[0].shape) != (E, 2 * I) or tuple(bias[1].shape) != (E, D)
                              or bias[0].stride(1) != 1 or bias[1].stride(1) != 1):
         raise ValueError(f"moe_gemv: biases {tuple(bias[0].shape)}, {tuple(bias[1].shape)} do not match "
                          f"[E, 2I] = {(E, 2 * I)} and [E, D] = {(E, D)} (contiguous last dimension)")
-    gs = gate_up_scale if quant != PLAIN else gate_up  # not read when PLAIN
-    ds = down_scale if quant != PLAIN else down
+    gs, ds = scales if scales is not None else (gate_up, down)  # not read without scales
+    # GGUF banks pass zero scale strides (their scales live inside the blocks); the others the tensors' own
+    gss, dss = ((0, 0), (0, 0)) if quant == GGUF else ((gs.stride(0), gs.stride(1)), (ds.stride(0), ds.stride(1)))
     gb, db = bias if bias is not None else (gate_up, down)  # not read without biases
     hidden = hidden.contiguous()
     ids = topk_ids.reshape(-1).contiguous()  # [R]
@@ -296,16 +307,15 @@ def moe_gemv(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     _gate_up_act_kernel[(R, triton.cdiv(I, BLOCK_I))](
         hidden, ids, gate_up, inter, gs, gb,
         A, D, I, nb, float(act.alpha) if act is not None else 0.0, float(act.limit) if act is not None else 0.0,
-        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0), gs.stride(0), gs.stride(1),
-        gb.stride(0),
+        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0), *gss, gb.stride(0),
         BLOCK_I=BLOCK_I, BLOCK_K=BLOCK_K1, QUANT=quant, SB=SCALE_BLOCK, BIAS=bias is not None, CLAMP=act is not None,
-        QT=0,
+        QT=qts[0],
     )
     _down_kernel[(R, triton.cdiv(D, BLOCK_D))](
         inter, ids, weights, down, y, ds, db,
         D, I,
-        inter.stride(0), down.stride(0), down.stride(1), y.stride(0), ds.stride(0), ds.stride(1), db.stride(0),
-        BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K2, QUANT=quant, SB=SCALE_BLOCK, BIAS=bias is not None, QT=0,
+        inter.stride(0), down.stride(0), down.stride(1), y.stride(0), *dss, db.stride(0),
+        BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K2, QUANT=quant, SB=SCALE_BLOCK, BIAS=bias is not None, QT=qts[1],
     )
     return _combine(y, T, A, D, hidden.dtype)
 
@@ -322,32 +332,7 @@ def _moe_gemv_gguf(hidden, topk_ids, topk_weights, gate_up, down, act, bias, ggu
     """moe_gemv on GGUF banks (its docstring): the same three kernels with QUANT=GGUF and each bank's QT."""
     T, A = topk_ids.shape
     D, I, gt, dt = gguf_geometry("moe_gemv", hidden, gate_up, down, gguf_types)
-    E = gate_up.shape[0]
     if hidden.shape != (T, D) or topk_weights.shape != (T, A):
         raise ValueError(f"moe_gemv: shapes hidden {tuple(hidden.shape)}, topk_ids {tuple(topk_ids.shape)}, "
                          f"topk_weights {tuple(topk_weights.shape)} do not match [T, D], [T, A], [T, A]")
-    if bias is not None and (tuple(bias[0].shape) != (E, 2 * I) or tuple(bias[1].shape) != (E, D)
-                             or bias[0].stride(1) != 1 or bias[1].stride(1) != 1):
-        raise ValueError(f"moe_gemv: biases {tuple(bias[0].shape)}, {tuple(bias[1].shape)} do not match "
-                         f"[E, 2I] = {(E, 2 * I)} and [E, D] = {(E, D)} (contiguous last dimension)")
-    gb, db = bias if bias is not None else (gate_up, down)  # not read without biases
-    hidden = hidden.contiguous()
-    ids = topk_ids.reshape(-1).contiguous()  # [R]
-    weights = topk_weights.reshape(-1).contiguous()  # [R]
-    R = ids.numel()
-    inter = torch.empty((R, I), dtype=torch.float32, device=hidden.device)  # [R, I] activations
-    y = torch.empty((R, D), dtype=torch.float32, device=hidden.device)  # [R, D]
-    _gate_up_act_kernel[(R, triton.cdiv(I, BLOCK_I))](
-        hidden, ids, gate_up, inter, gate_up, gb,
-        A, D, I, 0, float(act.alpha) if act is not None else 0.0, float(act.limit) if act is not None else 0.0,
-        hidden.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0), 0, 0, gb.stride(0),
-        BLOCK_I=BLOCK_I, BLOCK_K=BLOCK_K1, QUANT=GGUF, SB=SCALE_BLOCK, BIAS=bias is not None, CLAMP=act is not None,
-        QT=gt,
-    )
-    _down_kernel[(R, triton.cdiv(D, BLOCK_D))](
-        inter, ids, weights, down, y, down, db,
-        D, I,
-        inter.stride(0), down.stride(0), down.stride(1), y.stride(0), 0, 0, db.stride(0),
-        BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K2, QUANT=GGUF, SB=SCALE_BLOCK, BIAS=bias is not None, QT=dt,
-    )
-    return _combine(y, T, A, D, hidden.dtype)
+    return _launch(hidden, topk_ids, topk_weights, gate_up, down, act, bias, D, I, GGUF, qts=(gt, dt))
