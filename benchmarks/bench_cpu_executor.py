@@ -129,7 +129,8 @@ def check_output(ex: CpuExecutor, banks: ExpertBanks, A: int, dtype: torch.dtype
     gate_up, down = (gguf_dense_experts(*picked[:2], *gguf, torch.float32) if gguf is not None
                      else dense_experts(layer.format, *picked, torch.float32))  # [A, 2I, D], [A, D, I]
     bias = None if layer.bias is None else tuple(b[chosen].float() for b in layer.bias)
-    ref = moe_reference(hidden.float(), torch.arange(A)[None], weights, gate_up, down, banks.activation, bias)
+    ref = moe_reference(hidden.float(), torch.arange(A)[None], weights, gate_up, down, banks.activation, bias,
+                        ex.input_rounding(layer.format, dtype))
     err = ((out - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
     if not err <= CHECK_TOLERANCE:
         raise RuntimeError(f"cpu executor output differs from the reference: max relative error {err:.3g} "
@@ -231,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     expert_mb = banks.expert_nbytes() / 1e6
     res = {
         "isa": ex.isa, "threads": ex.num_threads, "dtype": args.dtype, "activations": str(dtype).removeprefix("torch."),
-        "fp8_kernel": ("dpbf16" if dtype == torch.bfloat16 and ex.fp8_bf16_inputs else "fp32-input") if args.dtype == "fp8" else "",
+        "kernel": ("dpbf16" if dtype == torch.bfloat16 and ex.fp8_bf16_inputs else "fp32-input") if args.dtype == "fp8"
+        else ("int8-input" if ex.input_rounding(banks.layers[0].format, dtype) else "fp32-input") if format_types(args.dtype)
+        else "",
         "tokens": args.tokens,
         "experts": args.experts, "top_k": args.top_k, "hidden": args.hidden, "intermediate": args.intermediate,
         "expert_mb": expert_mb, "check_max_rel_err": check_err, "banks_setup_s": setup_s,
@@ -247,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         res.update(measure_c_sync(ex, args.hidden, args.top_k, dtype))
         res["device"] = torch.cuda.get_device_name()
 
-    kernel = f" ({res['fp8_kernel']} kernel, {res['activations']} activations)" if res["fp8_kernel"] else ""
+    kernel = f" ({res['kernel']} kernel, {res['activations']} activations)" if res['kernel'] else ""
     print(f"CPU MoE executor · isa {res['isa']} · {res['threads']} threads · {args.dtype}{kernel} · bs={args.tokens} · "
           f"top-{args.top_k} of {args.experts} · expert {args.hidden}x{args.intermediate} ({expert_mb:.1f} MB)")
     print(f"banks built in {setup_s:.1f} s ({banks.total_nbytes() / 1e9:.2f} GB) · output vs torch reference "

@@ -200,6 +200,21 @@ def dense_experts(gate_up: torch.Tensor, down: torch.Tensor, gate_up_type: GGUFT
     return dequantize(gate_up, gate_up_type, D).to(dtype), dequantize(down, down_type, I).to(dtype)
 
 
+K_QUANTS = (GGUFType.Q4_K, GGUFType.Q5_K, GGUFType.Q6_K)
+
+
+def q8_inputs(x: torch.Tensor) -> torch.Tensor:
+    """The reference of the CPU executor's int8 inputs to K-quant blocks (bf16 models, AVX512-VNNI): each 256
+    values of the last dimension as d * q with q = round(x * 127 / amax) (half to even) and d = amax / 127,
+    all in fp32 -> fp32, same shape. The kernel then multiplies the blocks' integer quants with q exactly."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, QK_K)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    c127 = torch.full_like(amax, 127.0)  # tensor / tensor: IEEE division (a python scalar over a tensor is
+    inv = torch.where(amax > 0, c127 / amax, torch.zeros_like(amax))  # computed as its reciprocal times it)
+    q = torch.round(blocks * inv).clamp(-127, 127)
+    return (q * (amax / c127)).reshape(x.shape)
+
+
 # -- quantize --------------------------------------------------------------------------------------------
 def _to_f16_bytes(x: torch.Tensor) -> torch.Tensor:
     """fp32 [N] -> uint8 [N, 2] (fp16, little-endian as torch stores it on every supported host)."""

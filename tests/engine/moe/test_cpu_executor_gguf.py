@@ -4,7 +4,8 @@ gguf-py, + moe_reference), for every ISA this CPU has (the AVX-512 kernel and th
 
 Banks are gguf_quant.quantize of random weights (valid blocks); plain SwiGLU and gpt-oss's (biases, clamp);
 shapes of one block, rows of several blocks, gate rows of one expert split across workers, batches with
-repeated experts; fp32 and bf16 models (the GGUF kernels take fp32 inputs either way)."""
+repeated experts; fp32 and bf16 models. A bf16 model's K-quant layers run the int8-input (AVX512-VNNI)
+kernel where the CPU has it: its reference sees the inputs as gguf_quant.q8_inputs rounds them."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from services.engine.moe.banks import ExpertBanks, LayerBanks
 from services.engine.moe.cpu_executor import CpuExecutor, build_extension
-from services.engine.moe.gguf_quant import GGUFType, dequantize, quantize, row_bytes
+from services.engine.moe.gguf_quant import KERNEL_CODE, GGUFType, dequantize, q8_inputs, quantize, row_bytes
 from services.engine.moe.reference import ClampedSwiGLU, moe_reference
 
 Q4, Q5, Q6, Q8, MX = GGUFType.Q4_K, GGUFType.Q5_K, GGUFType.Q6_K, GGUFType.Q8_0, GGUFType.MXFP4
@@ -68,12 +69,27 @@ def gguf_case(gt, dt, T, A, E, D, I, seed=0, gpt_oss=False, dtype=torch.float32,
     return banks, hidden, ids, weights
 
 
-def reference(banks, hidden, ids, weights, gt, dt):
+
+
+def has_int8_input_kernel(isa: str) -> bool:
+    ex = CpuExecutor(ExpertBanks([layer(Q4, Q4, {"gate_up": quantize(torch.zeros(1, 512, 256), Q4),
+                                                 "down": quantize(torch.zeros(1, 256, 256), Q4)})]),
+                     num_threads=1, spin_us=50, isa=isa)
+    try:
+        return ex.gguf_q8_inputs
+    finally:
+        ex.close()
+
+
+Q8_ISAS = [isa for isa in ISAS if has_int8_input_kernel(isa)]
+
+
+def reference(banks, hidden, ids, weights, gt, dt, inputs=None):
     L = banks.layers[0].tensors
     bias = None if banks.layers[0].bias is None else tuple(b.float() for b in banks.layers[0].bias)
     D, I = L["down"].shape[1], L["gate_up"].shape[1] // 2
     return moe_reference(hidden.float(), ids, weights, dequantize(L["gate_up"], gt, D), dequantize(L["down"], dt, I),
-                         banks.activation, bias)
+                         banks.activation, bias, inputs)
 
 
 def run(banks, hidden, ids, weights, isa, threads=3):
@@ -167,3 +183,71 @@ def test_loop_counts_gguf_bytes():
     per_expert = 2 * 256 * row_bytes(Q4, 256) + 256 * row_bytes(Q6, 256)
     assert banks.expert_nbytes() == per_expert
     assert jobs >= 1 and nbytes == jobs * 2 * per_expert
+
+
+K_CASES = [  # gate_up type, down type, T, A, E, D, I: a bf16 model's K-quant layers (int8 inputs)
+    (Q4, Q6, 1, 4, 8, 256, 768),  # Q4_K_M's pair, decode; down rows of three blocks
+    (Q5, Q4, 5, 3, 6, 512, 512),
+    (Q6, Q6, 3, 2, 3, 512, 256),
+    (Q4, Q6, 19, 1, 1, 256, 512),  # token passes of 8 and of the rest
+]
+
+
+@pytest.mark.parametrize("isa", Q8_ISAS)
+@pytest.mark.parametrize("gt, dt, T, A, E, D, I", K_CASES, ids=lambda v: getattr(v, "value", str(v)))
+def test_bf16_k_quants_take_int8_inputs(gt, dt, T, A, E, D, I, isa):
+    """The executor's int8 inputs (hidden and the SwiGLU output, quantized per 256 values, the latter by
+    whichever worker completes a block) equal the reference that rounds both GEMVs' inputs with q8_inputs; an
+    fp32 model's same banks keep the exact fp32-input kernel. The tolerance is one rounding step of an input:
+    the SwiGLU outputs differ from the reference's in their last bits, which can move one across a rounding
+    boundary of q8_inputs (the kernel's own exactness is pinned below, at 2e-6)."""
+    banks, hidden, ids, weights = gguf_case(gt, dt, T, A, E, D, I, seed=T + D, dtype=torch.bfloat16)
+    out = run(banks, hidden, ids, weights, isa)
+    assert_close(out, reference(banks, hidden, ids, weights, gt, dt, inputs=q8_inputs), atol=2e-3)
+    assert (out - reference(banks, hidden, ids, weights, gt, dt)).abs().max() > 5e-3 * out.abs().max()
+    exact = run(banks, hidden.float(), ids, weights, isa)
+    assert_close(exact, reference(banks, hidden, ids, weights, gt, dt))
+
+
+@pytest.mark.parametrize("isa", Q8_ISAS)
+@pytest.mark.parametrize("qtype", [Q4, Q5, Q6], ids=lambda t: t.value)
+def test_int8_input_kernel_matches_reference(qtype, isa):
+    """The int8-input kernel alone on rows of 1..3 blocks, 1..10 tokens and padded rows: q8_inputs(X) @ W^T."""
+    g = torch.Generator().manual_seed(KERNEL_CODE[qtype])
+    for K, T, pad in ((256, 1, 0), (768, 10, 6), (512, 3, 2)):
+        W = pad_rows(quantize(torch.randn(1, 24, K, generator=g) / K ** 0.5, qtype), pad)[0].contiguous()
+        X = torch.randn(T, K, generator=g) * torch.rand(T, K, generator=g) ** 4 * 10  # blocks of unlike ranges
+        Y = build_extension().gemv_gguf(isa, W, KERNEL_CODE[qtype], X, True)
+        assert_close(Y, q8_inputs(X) @ dequantize(W, qtype, K).T, atol=2e-6)
+
+
+@pytest.mark.parametrize("isa", Q8_ISAS)
+def test_int8_inputs_round_half_to_even_in_lane_order(isa):
+    """Identity q4_K and q6_K rows read the int8 inputs back one by one: inputs of x.5 times the block's scale
+    round half to even, each value comes back at its own index (q4_K's lanes swap bits 5 and 6 of the index),
+    an all-zero block gives zeros."""
+    eye4 = torch.zeros(256, 144, dtype=torch.uint8)
+    eye4[:, 0:2] = torch.tensor([0x00, 0x3C], dtype=torch.uint8)  # d = 1.0, dmin = 0
+    eye4[:, 4:8] = 1  # scales of sub-blocks 0..3 = 1, mins 0
+    eye4[:, 12:16] = 1  # scales of sub-blocks 4..7 = 1 (low nibbles), mins 0
+    for v in range(256):  # value v of sub-block j = v // 32: byte 32 (j // 2) + v % 32 of qs, nibble j % 2
+        eye4[v, 16 + 32 * (v // 64) + v % 32] = 1 << (4 * (v // 32 % 2))
+    eye6 = quantize(torch.eye(256), Q6)  # ~identity: each value read back at its index
+    assert torch.equal(dequantize(eye4, Q4, 256), torch.eye(256))
+    x = torch.arange(256, dtype=torch.float32) % 64 - 31.5  # ties at every value ...
+    x[7] = 127.0  # ... with amax 127: inv = 1, d = 1
+    X = torch.stack([x, -x, torch.zeros(256)])
+    expect = torch.stack([torch.round(x), torch.round(-x), torch.zeros(256)])
+    assert torch.equal(q8_inputs(X), expect) and torch.equal(expect[0, :4], torch.tensor([-32.0, -30, -30, -28]))
+    ext = build_extension()
+    assert torch.equal(ext.gemv_gguf(isa, eye4, KERNEL_CODE[Q4], X, True), expect)
+    w6 = dequantize(eye6, Q6, 256)
+    torch.testing.assert_close(ext.gemv_gguf(isa, eye6, KERNEL_CODE[Q6], X, True), expect @ w6.T, atol=1e-5, rtol=1e-6)
+
+
+def test_vnni_cpus_have_the_int8_input_kernel():
+    """Where the CPU has AVX512-VNNI (this project's CI machine and the H200 host do), both AVX-512 ISAs carry
+    the int8-input kernel; the AVX2 and scalar ones never do (they keep the fp32-input kernel)."""
+    vnni = "avx512_vnni" in open("/proc/cpuinfo").read()
+    assert [isa for isa in ISAS if isa.startswith("avx512")] == (Q8_ISAS if vnni else [])
+    assert not any(isa in Q8_ISAS for isa in ("avx2", "scalar"))

@@ -118,6 +118,7 @@ struct Job {
   int gu_gguf = 0, dn_gguf = 0;      // GGUF: gate_up's and down's GgufType (they may differ), else 0
   int64_t gu_ldb = 0, dn_ldb = 0;    // GGUF: bytes between rows (>= the type's row bytes: padded slots)
   bool bf16_inputs = false;          // the GEMVs take bf16 inputs (x_bf16, act_bf16), else fp32
+  bool q8_inputs = false;            // GGUF K-quants of a bf16 model: int8 inputs (x_q8, act_q8; gemv.h Q8Block)
   // scratch, sized in submit() for the worst case R = T*A
   std::vector<int> count;            // [E]
   std::vector<int> group_expert;     // [G]
@@ -130,6 +131,10 @@ struct Job {
   std::vector<float> h;              // [R, 2I] gate then up outputs
   std::vector<float> act_f32;        // [R, I] (mxfp4: pair-split per 32)
   std::vector<uint16_t> act_bf16;    // [R, I]
+  std::vector<Q8Block> x_q8;         // [T, D / 256]
+  std::vector<Q8Block> act_q8;       // [R, I / 256]
+  std::unique_ptr<std::atomic<int>[]> act_filled;  // [G, I / 256] SwiGLU outputs written per block of act_q8
+  size_t act_filled_cap = 0;
   std::vector<const void*> x_ptr;    // [R] phase-1 inputs per route
   std::vector<const void*> act_ptr;  // [R] phase-2 inputs per route
   std::vector<float*> h_ptr;         // [R]
@@ -221,6 +226,7 @@ class Executor {
 
   std::string isa() const { return k_.name; }
   bool fp8_bf16_inputs() const { return k_.gemv_fp8_bx != nullptr; }
+  bool gguf_q8_inputs() const { return k_.gemv_gguf_q8 != nullptr; }
   int64_t num_threads() const { return n_; }
 
   // hidden [T, D] fp32|bf16 · ids [T, A] int64|int32 (< 0: skipped) · weights [T, A] fp32|bf16 ·
@@ -331,6 +337,10 @@ class Executor {
     j.bf16_inputs = j.wdt == WDtype::BF16 ? k_.bf16_wants_bf16_x
                : j.wdt == WDtype::FP8 ? hidden.scalar_type() == torch::kBFloat16 && k_.gemv_fp8_bx != nullptr
                : j.wdt == WDtype::MXFP4 && hidden.scalar_type() == torch::kBFloat16 && k_.gemv_mxfp4_bx != nullptr;
+    // GGUF K-quants: int8 inputs (vpdpbusd) for a bf16 model, as llama.cpp quantizes its activations; an fp32
+    // model's keep the fp32-input kernel, whose products are exact
+    j.q8_inputs = j.wdt == WDtype::GGUF && hidden.scalar_type() == torch::kBFloat16 && k_.gemv_gguf_q8 != nullptr &&
+                  gguf_k_quant(gu_gguf) && gguf_k_quant(dn_gguf);
     const auto math = expert_math_.find(gate_up.data_ptr());
     j.gate_up_bias = math == expert_math_.end() ? nullptr : math->second.first;
     j.down_bias = math == expert_math_.end() ? nullptr : math->second.second;
@@ -347,6 +357,14 @@ class Executor {
     if (bf16_x()) j.x_bf16.resize(T * D);
     j.h.resize(Rmax * 2 * I);
     if (bf16_x()) j.act_bf16.resize(Rmax * I); else j.act_f32.resize(Rmax * I);
+    if (j.q8_inputs) {
+      j.x_q8.resize(T * D / 256);
+      j.act_q8.resize(Rmax * I / 256);
+      if (j.act_filled_cap < Rmax * I / 256) {  // G <= R groups
+        j.act_filled_cap = Rmax * I / 256;
+        j.act_filled.reset(new std::atomic<int>[j.act_filled_cap]);
+      }
+    }
     j.x_ptr.resize(Rmax); j.act_ptr.resize(Rmax); j.h_ptr.resize(Rmax); j.out_ptr.resize(Rmax);
     j.error.clear();
     j.G = j.R = 0;
@@ -795,11 +813,17 @@ class Executor {
         if (bf16_x()) for (int64_t i = 0; i < (int64_t)T * D; ++i) j.x_bf16[i] = f32_to_bf16(j.x_f32[i]);
       }
     }
+    if (R > 0 && j.q8_inputs) {
+      for (int64_t t = 0; t < T; ++t) gguf_quantize_inputs(j.gu_gguf, &j.x_f32[t * D], D, &j.x_q8[t * D / 256]);
+      for (int64_t b = 0; b < (int64_t)G * I / 256; ++b) j.act_filled[b].store(0, std::memory_order_relaxed);
+    }
     float* out = j.out.data_ptr<float>();
     for (int r = 0; r < R; ++r) {
       const int tok = j.route_tok[r];
-      j.x_ptr[r] = bf16_x() ? static_cast<const void*>(&j.x_bf16[(size_t)tok * D]) : static_cast<const void*>(&j.x_f32[(size_t)tok * D]);
-      j.act_ptr[r] = bf16_x() ? static_cast<const void*>(&j.act_bf16[(size_t)r * I]) : static_cast<const void*>(&j.act_f32[(size_t)r * I]);
+      j.x_ptr[r] = j.q8_inputs ? static_cast<const void*>(&j.x_q8[(size_t)tok * D / 256])
+                 : bf16_x() ? static_cast<const void*>(&j.x_bf16[(size_t)tok * D]) : static_cast<const void*>(&j.x_f32[(size_t)tok * D]);
+      j.act_ptr[r] = j.q8_inputs ? static_cast<const void*>(&j.act_q8[(size_t)r * I / 256])
+                   : bf16_x() ? static_cast<const void*>(&j.act_bf16[(size_t)r * I]) : static_cast<const void*>(&j.act_f32[(size_t)r * I]);
       j.h_ptr[r] = &j.h[(size_t)r * 2 * I];
       j.out_ptr[r] = out + (size_t)tok * D;
     }
@@ -809,7 +833,7 @@ class Executor {
   }
 
   GemvFn gemv() const {
-    if (job_.wdt == WDtype::GGUF) return k_.gemv_gguf;
+    if (job_.wdt == WDtype::GGUF) return job_.q8_inputs ? k_.gemv_gguf_q8 : k_.gemv_gguf;
     if (job_.wdt == WDtype::MXFP4) return job_.bf16_inputs ? k_.gemv_mxfp4_bx : k_.gemv_mxfp4;
     if (job_.wdt == WDtype::FP8) return job_.bf16_inputs ? k_.gemv_fp8_bx : k_.gemv_fp8;
     return job_.wdt == WDtype::BF16 ? k_.gemv_bf16 : k_.gemv_f32;
@@ -941,7 +965,22 @@ class Executor {
           else j.act_f32[(size_t)(r0 + t) * I + (mxs ? mxfp4_x_pos(i) : i)] = v;
         }
       }
+      if (j.q8_inputs) quantize_filled(g, i0, i1);
       u += i1 - i0;
+    }
+  }
+
+  // q8 inputs: the SwiGLU outputs [i0, i1) of group g are written. The thread that completes a 256-value block
+  // (its counter reaches 256; acq_rel: the other writers' values are visible) quantizes it for the group's
+  // routes, so phase 2 needs no extra barrier.
+  void quantize_filled(int g, int64_t i0, int64_t i1) {
+    Job& j = job_;
+    const int64_t I = j.I, nbI = I / 256;
+    for (int64_t b = i0 / 256; b * 256 < i1; ++b) {
+      const int n = static_cast<int>(std::min(i1, (b + 1) * 256) - std::max(i0, b * 256));
+      if (j.act_filled[g * nbI + b].fetch_add(n, std::memory_order_acq_rel) + n != 256) continue;
+      for (int r = j.group_start[g]; r < j.group_start[g + 1]; ++r)
+        gguf_quantize_inputs(j.dn_gguf, &j.act_f32[(size_t)r * I + 256 * b], 256, &j.act_q8[(size_t)r * nbI + b]);
     }
   }
 
@@ -1039,6 +1078,36 @@ static torch::Tensor gemv_fp8(const std::string& isa, torch::Tensor W, torch::Te
   return Y;
 }
 
+// One GGUF GEMV kernel alone, on the calling thread (tests): W uint8 [N, >= row bytes of K] of `type`
+// (gguf_quant.KERNEL_CODE) · X [T, K] fp32 -> Y [T, N] fp32; q8: X quantized (gguf_quantize_inputs) for the
+// int8-input K-quant kernel, else the fp32-input kernel.
+static torch::Tensor gemv_gguf(const std::string& isa, torch::Tensor W, int64_t type, torch::Tensor X, bool q8) {
+  const IsaKernels k = select_kernels(isa.c_str());
+  TORCH_CHECK(k.name != nullptr, "gemv_gguf: ISA '", isa, "' is not supported by this CPU");
+  TORCH_CHECK(X.scalar_type() == torch::kFloat32 && X.dim() == 2 && X.is_contiguous(), "gemv_gguf: X must be contiguous fp32 [T, K]");
+  const int64_t N = W.size(0), K = X.size(1), T = X.size(0);
+  TORCH_CHECK(gguf_block_values(type) > 0 && K % gguf_block_values(type) == 0 && W.scalar_type() == torch::kUInt8 &&
+                  W.dim() == 2 && W.is_contiguous() && W.size(1) >= gguf_row_bytes(type, K),
+              "gemv_gguf: W must be contiguous uint8 [N, >= row bytes] of a type 1..5 whose blocks divide K");
+  const GemvFn fn = q8 ? (gguf_k_quant(type) ? k.gemv_gguf_q8 : nullptr) : k.gemv_gguf;
+  TORCH_CHECK(fn != nullptr, "gemv_gguf: ISA '", isa, "' has no ", q8 ? "int8-input kernel for this type" : "GGUF kernel");
+  std::vector<Q8Block> xq(q8 ? T * K / 256 : 0);
+  torch::Tensor Y = torch::empty({T, N}, torch::kFloat32);
+  std::vector<const void*> x(T);
+  std::vector<float*> y(T);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* xt = X.data_ptr<float>() + t * K;
+    if (q8) gguf_quantize_inputs(static_cast<int>(type), xt, K, &xq[t * K / 256]);
+    x[t] = q8 ? static_cast<const void*>(&xq[t * K / 256]) : static_cast<const void*>(xt);
+    y[t] = Y.data_ptr<float>() + t * N;
+  }
+  GemvArgs a{W.data_ptr(), K, static_cast<int>(N), static_cast<int>(K), x.data(), static_cast<int>(T), y.data(), nullptr};
+  a.gguf = static_cast<int>(type);
+  a.ldb = W.size(1);
+  fn(a);
+  return Y;
+}
+
 }  // namespace tandem
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1062,9 +1131,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("loop_counters", &tandem::Executor::loop_counters)
       .def_property_readonly("isa", &tandem::Executor::isa)
       .def_property_readonly("fp8_bf16_inputs", &tandem::Executor::fp8_bf16_inputs)
+      .def_property_readonly("gguf_q8_inputs", &tandem::Executor::gguf_q8_inputs)
       .def_property_readonly("num_threads", &tandem::Executor::num_threads);
   m.def("set_stream_prefetch", &tandem::set_stream_prefetch);
   m.def("gemv_fp8", &tandem::gemv_fp8, pybind11::arg("isa"), pybind11::arg("W"), pybind11::arg("scale"), pybind11::arg("X"));
+  m.def("gemv_gguf", &tandem::gemv_gguf, pybind11::arg("isa"), pybind11::arg("W"), pybind11::arg("type"), pybind11::arg("X"),
+        pybind11::arg("q8"));
   m.def("select_isa", [](std::string force) {
     auto k = tandem::select_kernels(force.c_str());
     return std::string(k.name ? k.name : "");

@@ -709,6 +709,7 @@ IsaKernels select_kernels(const char* force) {
   k.gemv_mxfp4 = mxfp4_kernel(k.name);
   k.gemv_mxfp4_bx = mxfp4_bx_kernel(k.name);
   k.gemv_gguf = gguf_kernel(k.name);
+  k.gemv_gguf_q8 = gguf_q8_kernel(k.name);
   return k;
 }
 

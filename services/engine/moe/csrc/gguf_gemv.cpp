@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -345,6 +346,167 @@ void gemv_gguf(const GemvArgs& a) {
 }
 }  // namespace avx512
 #pragma GCC pop_options
+
+void gguf_quantize_inputs(int type, const float* x, int64_t K, Q8Block* out) {
+  const bool swap56 = type == kQ4K || type == kQ5K;  // Q8Block's lane order of q4_K / q5_K (gemv.h)
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const float* xb = x + 256 * b;
+    Q8Block& o = out[b];
+    float amax = 0.f;
+    for (int v = 0; v < 256; ++v) amax = std::max(amax, std::fabs(xb[v]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;  // as the reference computes it: exact same roundings
+    o.d = amax / 127.f;
+    int sum16[16] = {};
+    for (int v = 0; v < 256; ++v) {
+      // nearbyint rounds half to even like torch.round; the clamp also keeps a non-finite input defined
+      const int q = static_cast<int>(std::nearbyint(std::fmax(-127.f, std::fmin(127.f, xb[v] * inv))));
+      o.q[swap56 ? (v & ~0x60) | ((v & 0x20) << 1) | ((v & 0x40) >> 1) : v] = static_cast<int8_t>(q);
+      sum16[v >> 4] += q;
+    }
+    for (int g = 0; g < 16; ++g) o.s16[g] = o.d * static_cast<float>(sum16[g]);
+    for (int j = 0; j < 16; ++j) o.s32[j] = j < 8 ? o.d * static_cast<float>(sum16[2 * j] + sum16[2 * j + 1]) : 0.f;
+  }
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")
+namespace avx512vnni {
+// K-quant blocks against Q8Block inputs. Per block the quant bytes become four vectors of unsigned 4..6-bit
+// values (64 each), each meets its 64 int8 inputs in one vpdpbusd (lane i: the sum of four products, exact in
+// int32), and the lanes take their sub-block's (or 16-group's) scale in one FMA; the block's input scale d and
+// the offsets (q4_K / q5_K mins, q6_K's -32) are applied once per block against the inputs' partial sums.
+
+TANDEM_INLINE float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// q4_K / q5_K header: (d * sc_j, dmin * m_j) of the eight sub-blocks, the 6-bit fields unpacked four at a
+// time from the 12 bytes as 32-bit words (gguf_quant's unpacking: s[j], s[j + 4], s[j + 8] per field)
+TANDEM_INLINE void k4_header(const uint8_t* b, __m256& sc, __m256& mn) {
+  uint32_t s0, s4, s8;
+  std::memcpy(&s0, b + 4, 4);
+  std::memcpy(&s4, b + 8, 4);
+  std::memcpy(&s8, b + 12, 4);
+  const uint64_t sc8 = (s0 & 0x3f3f3f3fu) | uint64_t{(s8 & 0x0f0f0f0fu) | ((s0 >> 2) & 0x30303030u)} << 32;
+  const uint64_t m8 = (s4 & 0x3f3f3f3fu) | uint64_t{((s8 >> 4) & 0x0f0f0f0fu) | ((s4 >> 2) & 0x30303030u)} << 32;
+  auto widen = [](uint64_t v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(v)))); };
+  sc = _mm256_mul_ps(_mm256_set1_ps(f16(b)), widen(sc8));
+  mn = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), widen(m8));
+}
+
+TANDEM_INLINE __m512i halves_epi16(int lo, int hi) {  // 16-bit lanes: `lo` in the low 32 bytes, `hi` above
+  return _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(lo)), _mm256_set1_epi16(static_cast<int16_t>(hi)), 1);
+}
+TANDEM_INLINE __m512i halves_epi8(int lo, int hi) {
+  return _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(lo)), _mm256_set1_epi8(static_cast<char>(hi)), 1);
+}
+TANDEM_INLINE __m512i lanes_of(int a, int b) {  // lanes 0..7 take scale a, 8..15 scale b
+  return _mm512_inserti64x4(_mm512_set1_epi32(a), _mm256_set1_epi32(b), 1);
+}
+
+template <int TYPE, int NT>
+void rows_q8(const GemvArgs& a, int t0) {
+  constexpr int bb = TYPE == kQ4K ? 144 : TYPE == kQ5K ? 176 : 210;
+  const int nb = a.K / 256;
+  const Q8Block* x[NT];
+  for (int t = 0; t < NT; ++t) x[t] = static_cast<const Q8Block*>(a.X[t0 + t]);
+  const __m512i nib = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x03), zero = _mm512_setzero_si512();
+  // vector z of a q4_K / q5_K block (c = z / 2 the 64-byte half of qs, k = z % 2 the nibble) holds
+  // sub-blocks 4c + k (lanes 0..7) and 4c + 2 + k (8..15); of a q6_K block the values 64z + 4 lane ..
+  __m512i scale_of[4], qh_bit[4];
+  for (int z = 0; z < 4; ++z) {
+    const int c = z / 2, k = z % 2;
+    scale_of[z] = TYPE == kQ6K ? _mm512_add_epi32(_mm512_set1_epi32(4 * z), _mm512_srli_epi32(
+                                     _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2))
+                               : lanes_of(4 * c + k, 4 * c + 2 + k);
+    qh_bit[z] = halves_epi8(1 << (4 * c + k), 1 << (4 * c + 2 + k));  // q5_K: bit j of qh[l] for sub-block j
+  }
+  const __m512i q6_shift[2] = {halves_epi16(0, 2), halves_epi16(4, 6)};  // q6_K: qh bits of values r, by r / 32
+  for (int r = 0; r < a.nrows; ++r) {
+    const uint8_t* row = static_cast<const uint8_t*>(a.W) + r * a.ldb;
+    __m512 acc[NT], off[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = off[t] = _mm512_setzero_ps();
+    for (int blk = 0; blk < nb; ++blk) {
+      const uint8_t* bp = row + blk * bb;
+      _mm_prefetch(reinterpret_cast<const char*>(bp) + 1024, _MM_HINT_T1);  // the stream ahead, into L2
+      __m512i q[4];
+      __m512 sv[4], ov;  // lanes' scales; the offsets' scales against the inputs' sums
+      if constexpr (TYPE == kQ6K) {
+        const __m512 s16 = _mm512_mul_ps(_mm512_set1_ps(f16(bp + 208)), _mm512_cvtepi32_ps(
+                                             _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 192)))));
+        for (int z = 0; z < 4; ++z) sv[z] = _mm512_permutexvar_ps(scale_of[z], s16);
+        ov = _mm512_mul_ps(s16, _mm512_set1_ps(32.f));  // q is stored + 32
+        for (int h = 0; h < 2; ++h) {  // values 128h .. : low nibbles of ql[64h ..] then the high ones
+          const __m512i ql = _mm512_loadu_si512(bp + 64 * h);
+          const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 128 + 32 * h)));
+          for (int n = 0; n < 2; ++n) {
+            const __m512i low = _mm512_and_si512(n ? _mm512_srli_epi16(ql, 4) : ql, nib);
+            const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(qh, q6_shift[n]), two);
+            q[2 * h + n] = _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
+          }
+        }
+      } else {
+        __m256 sc, mn;
+        k4_header(bp, sc, mn);
+        for (int z = 0; z < 4; ++z) sv[z] = _mm512_permutexvar_ps(scale_of[z], _mm512_castps256_ps512(sc));
+        ov = _mm512_zextps256_ps512(mn);
+        const uint8_t* qs = bp + (TYPE == kQ4K ? 16 : 48);
+        for (int c = 0; c < 2; ++c) {
+          const __m512i w = _mm512_loadu_si512(qs + 64 * c);
+          q[2 * c] = _mm512_and_si512(w, nib);
+          q[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);
+        }
+        if constexpr (TYPE == kQ5K) {
+          const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 16)));
+          for (int z = 0; z < 4; ++z)
+            q[z] = _mm512_mask_add_epi8(q[z], _mm512_test_epi8_mask(qh, qh_bit[z]), q[z], _mm512_set1_epi8(16));
+        }
+      }
+      for (int t = 0; t < NT; ++t) {
+        const Q8Block& xb = x[t][blk];
+        __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, q[0], _mm512_load_si512(xb.q))), sv[0]);
+        for (int z = 1; z < 4; ++z)
+          f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, q[z], _mm512_load_si512(xb.q + 64 * z))), sv[z], f);
+        acc[t] = _mm512_fmadd_ps(f, _mm512_set1_ps(xb.d), acc[t]);
+        off[t] = _mm512_fmadd_ps(ov, _mm512_load_ps(TYPE == kQ6K ? xb.s16 : xb.s32), off[t]);
+      }
+    }
+    for (int t = 0; t < NT; ++t) store(a, r, t0 + t, _mm512_reduce_add_ps(acc[t]) - _mm512_reduce_add_ps(off[t]));
+  }
+}
+
+template <int TYPE>
+void gemv_t(const GemvArgs& a) {
+  for (int t0 = 0; t0 < a.ntok; t0 += kTok) {
+    switch (std::min(kTok, a.ntok - t0)) {
+      case 1: rows_q8<TYPE, 1>(a, t0); break;
+      case 2: rows_q8<TYPE, 2>(a, t0); break;
+      case 3: rows_q8<TYPE, 3>(a, t0); break;
+      case 4: rows_q8<TYPE, 4>(a, t0); break;
+      case 5: rows_q8<TYPE, 5>(a, t0); break;
+      case 6: rows_q8<TYPE, 6>(a, t0); break;
+      case 7: rows_q8<TYPE, 7>(a, t0); break;
+      default: rows_q8<TYPE, 8>(a, t0); break;
+    }
+  }
+}
+
+void gemv_gguf_q8(const GemvArgs& a) {
+  switch (a.gguf) {
+    case kQ4K: gemv_t<kQ4K>(a); break;
+    case kQ5K: gemv_t<kQ5K>(a); break;
+    default: gemv_t<kQ6K>(a); break;
+  }
+}
+}  // namespace avx512vnni
+#pragma GCC pop_options
+
+GemvFn gguf_q8_kernel(const char* isa) {
+  const bool has512 = isa && (std::strcmp(isa, "avx512bf16") == 0 || std::strcmp(isa, "avx512") == 0);
+  return has512 && __builtin_cpu_supports("avx512vnni") ? avx512vnni::gemv_gguf_q8 : nullptr;
+}
 
 GemvFn gguf_kernel(const char* isa) {
   if (!isa) return nullptr;
