@@ -30,6 +30,7 @@ from services.engine.config import EngineConfig
 from services.engine.models.errors import LoaderError
 from services.engine.models.registry import build_backend, load_model
 from services.engine.moe.banks import ExpertFormat
+from services.engine.moe.gguf_quant import q8_inputs
 from services.engine.runtime.kv_cache import ForwardBatch, KVCache
 from tests.engine.conftest import _randomize_
 from tests.engine.gguf_checkpoints import dequantized_reference, write_gguf
@@ -190,6 +191,37 @@ def test_every_backend_greedy_equals_transformers(arch, backend, cases, loaded, 
         getattr(backend_obj, "close", lambda: None)()
     assert ours == reference_tokens[arch]
     assert len(set(ours)) > 1
+
+
+def test_bfloat16_cpu_experts_take_int8_inputs(cases):
+    """A bf16 model's K-quant experts on the CPU executor (the cpu backend's misses) run the int8-input kernel
+    where the CPU has AVX512-VNNI (gguf_quant.q8_inputs): through the engine's layers, a decode step's logits
+    stay as close to the fp32 reference as bf16's own rounding puts the resident path."""
+    path = str(cases["qwen3_moe"].path)
+    lm = load_model(EngineConfig(model=path, dtype="bfloat16"), attach_backend=False)
+    ref = hf_last_logits(cases["qwen3_moe"].ref, PROMPT)
+    errors = {}
+    for backend in ("resident", "cpu"):
+        slots = {} if backend == "resident" else {"moe_cache_size": lm.spec.top_k}  # the cpu backend's misses
+        backend_obj = build_backend(lm, EngineConfig(model=path, dtype="bfloat16", moe_backend=backend, **slots))
+        lm.model.set_backend(backend_obj)
+        try:
+            if backend == "cpu":
+                vnni = "avx512_vnni" in Path("/proc/cpuinfo").read_text()
+                rounding = {backend_obj.executor.input_rounding(layer.format, torch.bfloat16) for layer in lm.banks.layers}
+                assert rounding == ({q8_inputs} if vnni else {None})
+            kv = KVCache(lm.spec, 1, 64, "cpu", torch.bfloat16)
+            n = len(PROMPT) - 1  # the prompt but its last token, then that token as a decode step (the split path)
+            lm.model(torch.tensor(PROMPT[:n]), torch.arange(n), ForwardBatch.single(0, 0, n), kv)
+            logits = lm.model(torch.tensor(PROMPT[n:]), torch.tensor([n]), ForwardBatch.single(0, n, 1), kv)[0]
+            errors[backend] = (logits.float() - ref).abs().max().item()
+            if backend == "cpu":
+                assert backend_obj.totals["cpu_routes"] > 0
+        finally:
+            getattr(backend_obj, "close", lambda: None)()
+    # bf16 alone moves these logits (up to ~5) by ~0.09; int8 inputs may add about a third of that, a wrong
+    # lane, scale or offset would move them by the experts' whole contribution
+    assert errors["cpu"] <= 2 * errors["resident"], errors
 
 
 def test_expert_dtype_dtype_dequantizes_gguf_experts(cases, reference_tokens):
