@@ -286,9 +286,10 @@ class CpuExecutor:
 
     @property
     def gguf_q8_inputs(self) -> bool:
-        """Whether K-quant GGUF banks (q4_K, q5_K, q6_K) run the AVX512-VNNI kernel when hidden states come in
-        bf16: inputs quantized to int8 per 256 values (gguf_quant.q8_inputs) meet the blocks' integer quants
-        in vpdpbusd. fp32 hidden states, and q8_0 / mxfp4_gguf banks, take the fp32-input kernel."""
+        """Whether K-quant GGUF banks (q4_K, q5_K, q6_K) run an int8-input kernel when hidden states come in
+        bf16 (every ISA but scalar: AVX512-VNNI's vpdpbusd, else AVX2's vpmaddubsw): inputs quantized to int8
+        per 256 values (gguf_quant.q8_inputs) meet the blocks' integer quants. fp32 hidden states, and q8_0 /
+        mxfp4_gguf banks, take the fp32-input kernel."""
         return self._impl.gguf_q8_inputs
 
     def input_rounding(self, fmt: str, dtype: torch.dtype):

@@ -204,7 +204,7 @@ K_QUANTS = (GGUFType.Q4_K, GGUFType.Q5_K, GGUFType.Q6_K)
 
 
 def q8_inputs(x: torch.Tensor) -> torch.Tensor:
-    """The reference of the CPU executor's int8 inputs to K-quant blocks (bf16 models, AVX512-VNNI): each 256
+    """The reference of the CPU executor's int8 inputs to K-quant blocks (bf16 models; AVX512-VNNI or AVX2): each 256
     values of the last dimension as d * q with q = round(x * 127 / amax) (half to even) and d = amax / 127,
     all in fp32 -> fp32, same shape. The kernel then multiplies the blocks' integer quants with q exactly."""
     blocks = x.float().reshape(*x.shape[:-1], -1, QK_K)

@@ -4,8 +4,8 @@ gguf-py, + moe_reference), for every ISA this CPU has (the AVX-512 kernel and th
 
 Banks are gguf_quant.quantize of random weights (valid blocks); plain SwiGLU and gpt-oss's (biases, clamp);
 shapes of one block, rows of several blocks, gate rows of one expert split across workers, batches with
-repeated experts; fp32 and bf16 models. A bf16 model's K-quant layers run the int8-input (AVX512-VNNI)
-kernel where the CPU has it: its reference sees the inputs as gguf_quant.q8_inputs rounds them."""
+repeated experts; fp32 and bf16 models. A bf16 model's K-quant layers run an int8-input kernel (AVX512-VNNI,
+or AVX2 where the CPU has no VNNI): its reference sees the inputs as gguf_quant.q8_inputs rounds them."""
 
 from __future__ import annotations
 
@@ -197,14 +197,20 @@ K_CASES = [  # gate_up type, down type, T, A, E, D, I: a bf16 model's K-quant la
 @pytest.mark.parametrize("gt, dt, T, A, E, D, I", K_CASES, ids=lambda v: getattr(v, "value", str(v)))
 def test_bf16_k_quants_take_int8_inputs(gt, dt, T, A, E, D, I, isa):
     """The executor's int8 inputs (hidden and the SwiGLU output, quantized per 256 values, the latter by
-    whichever worker completes a block) equal the reference that rounds both GEMVs' inputs with q8_inputs; an
-    fp32 model's same banks keep the exact fp32-input kernel. The tolerance is one rounding step of an input:
-    the SwiGLU outputs differ from the reference's in their last bits, which can move one across a rounding
-    boundary of q8_inputs (the kernel's own exactness is pinned below, at 2e-6)."""
+    whichever worker completes a block) match the reference that rounds both GEMVs' inputs with q8_inputs; an
+    fp32 model's same banks keep the exact fp32-input kernel. The SwiGLU outputs differ from the reference's
+    in their last bits, which can move one across a rounding boundary of q8_inputs (up to ~2.5e-3 of the
+    output here, per moved input), so the tolerance is 1e-2: what this test guards is the plumbing (which
+    inputs, which blocks, when), whose faults move outputs by their whole size; the kernels' exactness is
+    pinned below at 2e-6."""
     banks, hidden, ids, weights = gguf_case(gt, dt, T, A, E, D, I, seed=T + D, dtype=torch.bfloat16)
-    out = run(banks, hidden, ids, weights, isa)
-    assert_close(out, reference(banks, hidden, ids, weights, gt, dt, inputs=q8_inputs), atol=2e-3)
-    assert (out - reference(banks, hidden, ids, weights, gt, dt)).abs().max() > 5e-3 * out.abs().max()
+    ex = CpuExecutor(banks, num_threads=3, spin_us=50, isa=isa)
+    try:
+        assert ex.input_rounding(banks.layers[0].format, torch.bfloat16) is q8_inputs
+        out = ex.forward(0, hidden, ids, weights)
+    finally:
+        ex.close()
+    assert_close(out, reference(banks, hidden, ids, weights, gt, dt, inputs=q8_inputs), atol=1e-2)
     exact = run(banks, hidden.float(), ids, weights, isa)
     assert_close(exact, reference(banks, hidden, ids, weights, gt, dt))
 
@@ -245,9 +251,9 @@ def test_int8_inputs_round_half_to_even_in_lane_order(isa):
     torch.testing.assert_close(ext.gemv_gguf(isa, eye6, KERNEL_CODE[Q6], X, True), expect @ w6.T, atol=1e-5, rtol=1e-6)
 
 
-def test_vnni_cpus_have_the_int8_input_kernel():
-    """Where the CPU has AVX512-VNNI (this project's CI machine and the H200 host do), both AVX-512 ISAs carry
-    the int8-input kernel; the AVX2 and scalar ones never do (they keep the fp32-input kernel)."""
-    vnni = "avx512_vnni" in open("/proc/cpuinfo").read()
-    assert [isa for isa in ISAS if isa.startswith("avx512")] == (Q8_ISAS if vnni else [])
-    assert not any(isa in Q8_ISAS for isa in ("avx2", "scalar"))
+def test_every_vector_isa_has_an_int8_input_kernel():
+    """The AVX-512 ISAs (the VNNI kernel, or the AVX2 one on AVX-512 CPUs without VNNI) and AVX2 carry an
+    int8-input K-quant kernel, so the forced-ISA cases above cover both kernels on this project's CI machine;
+    the scalar ISA keeps the fp32-input kernel."""
+    assert Q8_ISAS == [isa for isa in ISAS if isa != "scalar"]
+    assert "avx2" in Q8_ISAS and "scalar" in ISAS and "scalar" not in Q8_ISAS

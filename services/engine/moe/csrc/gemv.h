@@ -24,8 +24,8 @@
 //
 // GGUF (q4_K, q5_K, q6_K, q8_0, mxfp4_gguf banks; gguf_gemv.cpp): W holds the file's blocks, `gguf` the
 // type (GgufType), row r at W + r * ldb bytes (K counts values); X fp32 as is. The K-quants have a second
-// kernel for bf16 models on AVX512-VNNI hosts: X[t] points at K / 256 Q8Blocks (gguf_quantize_inputs), and
-// the blocks' integer quants meet the inputs' int8 ones in vpdpbusd (four products per lane per instruction).
+// kernel for bf16 models: X[t] points at K / 256 Q8Blocks (gguf_quantize_inputs), and the blocks' integer
+// quants meet the inputs' int8 ones in vpdpbusd (AVX512-VNNI) or vpmaddubsw + vpmaddwd (AVX2).
 #pragma once
 #include <cstdint>
 
@@ -98,7 +98,7 @@ struct IsaKernels {
   GemvFn gemv_mxfp4 = nullptr;  // packed e2m1 weights with E8M0 scales per 32, fp32 X pair-split
   GemvFn gemv_mxfp4_bx = nullptr;  // the same weights with bf16 X nibble-split (vdpbf16ps), or nullptr
   GemvFn gemv_gguf = nullptr;   // GGUF blocks (GemvArgs::gguf), fp32 X
-  GemvFn gemv_gguf_q8 = nullptr;  // K-quant blocks with Q8Block X (AVX512-VNNI), or nullptr where the CPU has none
+  GemvFn gemv_gguf_q8 = nullptr;  // K-quant blocks with Q8Block X (AVX512-VNNI or AVX2), nullptr for scalar
 };
 
 GemvFn gguf_kernel(const char* isa);     // the GGUF kernel of an ISA (gguf_gemv.cpp)

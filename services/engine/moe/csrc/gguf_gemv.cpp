@@ -503,9 +503,144 @@ void gemv_gguf_q8(const GemvArgs& a) {
 }  // namespace avx512vnni
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+// The same int8 inputs on AVX2 hosts (desktop CPUs without AVX-512): 32 values per vector, so each vector of
+// quant bytes is one q4_K / q5_K sub-block or two q6_K 16-groups. vpmaddubsw multiplies its unsigned quants
+// with the int8 inputs into pairs of int16 (at most 2 * 63 * 127: no saturation) and vpmaddwd multiplies
+// those by the integer scales into int32 lanes, so a whole block sums in int32 (at most 8 * 4 * 63 * 127 *
+// 127 < 2^31) and turns into fp32 once, times the two d's.
+
+TANDEM_INLINE float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+TANDEM_INLINE __m256i scaled(__m256i q, const int8_t* x, __m256i scale16) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_load_si256(reinterpret_cast<const __m256i*>(x))), scale16);
+}
+
+TANDEM_INLINE float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+template <int TYPE, int NT>
+void rows_q8(const GemvArgs& a, int t0) {
+  constexpr int bb = TYPE == kQ4K ? 144 : TYPE == kQ5K ? 176 : 210;
+  const int nb = a.K / 256;
+  const Q8Block* x[NT];
+  for (int t = 0; t < NT; ++t) x[t] = static_cast<const Q8Block*>(a.X[t0 + t]);
+  const __m256i nib = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(0x03);
+  for (int r = 0; r < a.nrows; ++r) {
+    const uint8_t* row = static_cast<const uint8_t*>(a.W) + r * a.ldb;
+    __m256 acc[NT], off[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = off[t] = _mm256_setzero_ps();
+    for (int blk = 0; blk < nb; ++blk) {
+      const uint8_t* bp = row + blk * bb;
+      _mm_prefetch(reinterpret_cast<const char*>(bp) + 1024, _MM_HINT_T1);
+      __m256i q[8], sc[8];  // 32 quants each and their int16 scales
+      int xo[8];            // where each vector's inputs sit in Q8Block::q
+      __m256 ov[2];         // the offsets' scales against the inputs' sums (s32: one vector; s16: two)
+      float d;
+      if constexpr (TYPE == kQ6K) {
+        d = f16(bp + 208);
+        const int8_t* s = reinterpret_cast<const int8_t*>(bp + 192);
+        const __m256 s16a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s))));
+        const __m256 s16b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + 8))));
+        ov[0] = _mm256_mul_ps(_mm256_set1_ps(32.f * d), s16a);  // q is stored + 32
+        ov[1] = _mm256_mul_ps(_mm256_set1_ps(32.f * d), s16b);
+        for (int h = 0; h < 2; ++h) {  // values 128h + r: ql[64h + r % 64] nibble r / 64, qh[32h + r % 32] bits 2 (r / 32)
+          const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 64 * h));       // r % 64 < 32
+          const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 64 * h + 32));  // r % 64 >= 32
+          const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 128 + 32 * h));
+          for (int k = 0; k < 4; ++k) {  // values 128h + 32k ..
+            const __m256i l = k % 2 ? hi : lo;
+            const __m256i low = _mm256_and_si256(k / 2 ? _mm256_srli_epi16(l, 4) : l, nib);
+            const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), two);
+            const int v = 4 * h + k, g = 8 * h + 2 * k;  // the vector, its first 16-group
+            q[v] = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+            sc[v] = _mm256_set_m128i(_mm_set1_epi16(s[g + 1]), _mm_set1_epi16(s[g]));
+            xo[v] = 32 * v;
+          }
+        }
+      } else {
+        d = f16(bp);
+        uint32_t s0, s4, s8;  // the 6-bit (scale, min) fields, as in the AVX-512 kernel's k4_header
+        std::memcpy(&s0, bp + 4, 4);
+        std::memcpy(&s4, bp + 8, 4);
+        std::memcpy(&s8, bp + 12, 4);
+        const uint64_t sc8 = (s0 & 0x3f3f3f3fu) | uint64_t{(s8 & 0x0f0f0f0fu) | ((s0 >> 2) & 0x30303030u)} << 32;
+        const uint64_t m8 = (s4 & 0x3f3f3f3fu) | uint64_t{((s8 >> 4) & 0x0f0f0f0fu) | ((s4 >> 2) & 0x30303030u)} << 32;
+        ov[0] = _mm256_mul_ps(_mm256_set1_ps(f16(bp + 2)),
+                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(m8)))));
+        const uint8_t* qs = bp + (TYPE == kQ4K ? 16 : 48);
+        __m256i qh;
+        if constexpr (TYPE == kQ5K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 16));
+        for (int j = 0; j < 8; ++j) {  // sub-block j: nibble j % 2 of qs bytes 32 (j / 2) ..; bit j of qh
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (j / 2)));
+          q[j] = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(w, 4) : w, nib);
+          if constexpr (TYPE == kQ5K) {
+            const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << j));
+            q[j] = _mm256_or_si256(q[j], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit),
+                                                          _mm256_set1_epi8(16)));
+          }
+          sc[j] = _mm256_set1_epi16(static_cast<int16_t>((sc8 >> (8 * j)) & 0xff));
+          const int v = 32 * j;  // Q8Block's q4_K / q5_K order: bits 5 and 6 of the index swapped
+          xo[j] = (v & ~0x60) | ((v & 0x20) << 1) | ((v & 0x40) >> 1);
+        }
+      }
+      for (int t = 0; t < NT; ++t) {
+        const Q8Block& xb = x[t][blk];
+        __m256i isum = scaled(q[0], xb.q + xo[0], sc[0]);
+        for (int v = 1; v < 8; ++v) isum = _mm256_add_epi32(isum, scaled(q[v], xb.q + xo[v], sc[v]));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * xb.d), acc[t]);
+        if constexpr (TYPE == kQ6K) {
+          off[t] = _mm256_fmadd_ps(ov[0], _mm256_load_ps(xb.s16), off[t]);
+          off[t] = _mm256_fmadd_ps(ov[1], _mm256_load_ps(xb.s16 + 8), off[t]);
+        } else {
+          off[t] = _mm256_fmadd_ps(ov[0], _mm256_load_ps(xb.s32), off[t]);
+        }
+      }
+    }
+    for (int t = 0; t < NT; ++t) store(a, r, t0 + t, hsum(acc[t]) - hsum(off[t]));
+  }
+}
+
+template <int TYPE>
+void gemv_t(const GemvArgs& a) {
+  for (int t0 = 0; t0 < a.ntok; t0 += kTok) {
+    switch (std::min(kTok, a.ntok - t0)) {
+      case 1: rows_q8<TYPE, 1>(a, t0); break;
+      case 2: rows_q8<TYPE, 2>(a, t0); break;
+      case 3: rows_q8<TYPE, 3>(a, t0); break;
+      case 4: rows_q8<TYPE, 4>(a, t0); break;
+      case 5: rows_q8<TYPE, 5>(a, t0); break;
+      case 6: rows_q8<TYPE, 6>(a, t0); break;
+      case 7: rows_q8<TYPE, 7>(a, t0); break;
+      default: rows_q8<TYPE, 8>(a, t0); break;
+    }
+  }
+}
+
+void gemv_gguf_q8(const GemvArgs& a) {
+  switch (a.gguf) {
+    case kQ4K: gemv_t<kQ4K>(a); break;
+    case kQ5K: gemv_t<kQ5K>(a); break;
+    default: gemv_t<kQ6K>(a); break;
+  }
+}
+}  // namespace avx2
+#pragma GCC pop_options
+
 GemvFn gguf_q8_kernel(const char* isa) {
-  const bool has512 = isa && (std::strcmp(isa, "avx512bf16") == 0 || std::strcmp(isa, "avx512") == 0);
-  return has512 && __builtin_cpu_supports("avx512vnni") ? avx512vnni::gemv_gguf_q8 : nullptr;
+  if (!isa || std::strcmp(isa, "scalar") == 0) return nullptr;  // the ISAs below scalar all have AVX2 + FMA
+  const bool has512 = std::strcmp(isa, "avx512bf16") == 0 || std::strcmp(isa, "avx512") == 0;
+  if (has512 && __builtin_cpu_supports("avx512vnni")) return avx512vnni::gemv_gguf_q8;
+  return __builtin_cpu_supports("f16c") ? avx2::gemv_gguf_q8 : nullptr;
 }
 
 GemvFn gguf_kernel(const char* isa) {
