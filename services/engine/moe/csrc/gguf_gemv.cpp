@@ -141,7 +141,42 @@ inline void store(const GemvArgs& a, int r, int t, float v) {
   else a.Y[t][r] = v;
 }
 
+// q4_K / q5_K: the eight 6-bit scales (sc8) and mins (m8) of a block, one per byte, unpacked four at a time
+// from the 12 bytes at b + 4 as 32-bit words (gguf_quant's unpacking: s[j], s[j + 4], s[j + 8] per field)
+inline void k4_fields(const uint8_t* b, uint64_t& sc8, uint64_t& m8) {
+  uint32_t s0, s4, s8;
+  std::memcpy(&s0, b + 4, 4);
+  std::memcpy(&s4, b + 8, 4);
+  std::memcpy(&s8, b + 12, 4);
+  sc8 = (s0 & 0x3f3f3f3fu) | uint64_t{(s8 & 0x0f0f0f0fu) | ((s0 >> 2) & 0x30303030u)} << 32;
+  m8 = (s4 & 0x3f3f3f3fu) | uint64_t{((s8 >> 4) & 0x0f0f0f0fu) | ((s4 >> 2) & 0x30303030u)} << 32;
+}
+
+__attribute__((target("f16c"))) TANDEM_INLINE float f16c_to_f32(const uint8_t* p) {  // the vector kernels' fp16
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
 constexpr int kTok = 8;  // tokens per pass over a row's blocks (their accumulators stay in registers)
+
+// A kernel's passes over its rows, kTok tokens at a time: Rows::template run<NT>(a, t0), the pass's token
+// count a template argument so that its accumulators stay in registers.
+template <class Rows>
+void token_passes(const GemvArgs& a) {
+  for (int t0 = 0; t0 < a.ntok; t0 += kTok) {
+    switch (std::min(kTok, a.ntok - t0)) {
+      case 1: Rows::template run<1>(a, t0); break;
+      case 2: Rows::template run<2>(a, t0); break;
+      case 3: Rows::template run<3>(a, t0); break;
+      case 4: Rows::template run<4>(a, t0); break;
+      case 5: Rows::template run<5>(a, t0); break;
+      case 6: Rows::template run<6>(a, t0); break;
+      case 7: Rows::template run<7>(a, t0); break;
+      default: Rows::template run<8>(a, t0); break;
+    }
+  }
+}
 
 }  // namespace
 
@@ -320,28 +355,18 @@ void rows_t(const GemvArgs& a, int t0) {
 }
 
 template <int TYPE>
-void gemv_t(const GemvArgs& a) {
-  for (int t0 = 0; t0 < a.ntok; t0 += kTok) {
-    switch (std::min(kTok, a.ntok - t0)) {
-      case 1: rows_t<TYPE, 1>(a, t0); break;
-      case 2: rows_t<TYPE, 2>(a, t0); break;
-      case 3: rows_t<TYPE, 3>(a, t0); break;
-      case 4: rows_t<TYPE, 4>(a, t0); break;
-      case 5: rows_t<TYPE, 5>(a, t0); break;
-      case 6: rows_t<TYPE, 6>(a, t0); break;
-      case 7: rows_t<TYPE, 7>(a, t0); break;
-      default: rows_t<TYPE, 8>(a, t0); break;
-    }
-  }
-}
+struct Rows {
+  template <int NT>
+  static void run(const GemvArgs& a, int t0) { rows_t<TYPE, NT>(a, t0); }
+};
 
 void gemv_gguf(const GemvArgs& a) {
   switch (a.gguf) {
-    case kQ4K: gemv_t<kQ4K>(a); break;
-    case kQ5K: gemv_t<kQ5K>(a); break;
-    case kQ6K: gemv_t<kQ6K>(a); break;
-    case kQ80: gemv_t<kQ80>(a); break;
-    default: gemv_t<kMxfp4Gguf>(a); break;
+    case kQ4K: token_passes<Rows<kQ4K>>(a); break;
+    case kQ5K: token_passes<Rows<kQ5K>>(a); break;
+    case kQ6K: token_passes<Rows<kQ6K>>(a); break;
+    case kQ80: token_passes<Rows<kQ80>>(a); break;
+    default: token_passes<Rows<kMxfp4Gguf>>(a); break;
   }
 }
 }  // namespace avx512
@@ -376,24 +401,13 @@ namespace avx512vnni {
 // int32), and the lanes take their sub-block's (or 16-group's) scale in one FMA; the block's input scale d and
 // the offsets (q4_K / q5_K mins, q6_K's -32) are applied once per block against the inputs' partial sums.
 
-TANDEM_INLINE float f16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-
-// q4_K / q5_K header: (d * sc_j, dmin * m_j) of the eight sub-blocks, the 6-bit fields unpacked four at a
-// time from the 12 bytes as 32-bit words (gguf_quant's unpacking: s[j], s[j + 4], s[j + 8] per field)
+// q4_K / q5_K header: (d * sc_j, dmin * m_j) of the eight sub-blocks
 TANDEM_INLINE void k4_header(const uint8_t* b, __m256& sc, __m256& mn) {
-  uint32_t s0, s4, s8;
-  std::memcpy(&s0, b + 4, 4);
-  std::memcpy(&s4, b + 8, 4);
-  std::memcpy(&s8, b + 12, 4);
-  const uint64_t sc8 = (s0 & 0x3f3f3f3fu) | uint64_t{(s8 & 0x0f0f0f0fu) | ((s0 >> 2) & 0x30303030u)} << 32;
-  const uint64_t m8 = (s4 & 0x3f3f3f3fu) | uint64_t{((s8 >> 4) & 0x0f0f0f0fu) | ((s4 >> 2) & 0x30303030u)} << 32;
+  uint64_t sc8, m8;
+  k4_fields(b, sc8, m8);
   auto widen = [](uint64_t v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(v)))); };
-  sc = _mm256_mul_ps(_mm256_set1_ps(f16(b)), widen(sc8));
-  mn = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), widen(m8));
+  sc = _mm256_mul_ps(_mm256_set1_ps(f16c_to_f32(b)), widen(sc8));
+  mn = _mm256_mul_ps(_mm256_set1_ps(f16c_to_f32(b + 2)), widen(m8));
 }
 
 TANDEM_INLINE __m512i halves_epi16(int lo, int hi) {  // 16-bit lanes: `lo` in the low 32 bytes, `hi` above
@@ -434,7 +448,7 @@ void rows_q8(const GemvArgs& a, int t0) {
       __m512i q[4];
       __m512 sv[4], ov;  // lanes' scales; the offsets' scales against the inputs' sums
       if constexpr (TYPE == kQ6K) {
-        const __m512 s16 = _mm512_mul_ps(_mm512_set1_ps(f16(bp + 208)), _mm512_cvtepi32_ps(
+        const __m512 s16 = _mm512_mul_ps(_mm512_set1_ps(f16c_to_f32(bp + 208)), _mm512_cvtepi32_ps(
                                              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bp + 192)))));
         for (int z = 0; z < 4; ++z) sv[z] = _mm512_permutexvar_ps(scale_of[z], s16);
         ov = _mm512_mul_ps(s16, _mm512_set1_ps(32.f));  // q is stored + 32
@@ -478,26 +492,16 @@ void rows_q8(const GemvArgs& a, int t0) {
 }
 
 template <int TYPE>
-void gemv_t(const GemvArgs& a) {
-  for (int t0 = 0; t0 < a.ntok; t0 += kTok) {
-    switch (std::min(kTok, a.ntok - t0)) {
-      case 1: rows_q8<TYPE, 1>(a, t0); break;
-      case 2: rows_q8<TYPE, 2>(a, t0); break;
-      case 3: rows_q8<TYPE, 3>(a, t0); break;
-      case 4: rows_q8<TYPE, 4>(a, t0); break;
-      case 5: rows_q8<TYPE, 5>(a, t0); break;
-      case 6: rows_q8<TYPE, 6>(a, t0); break;
-      case 7: rows_q8<TYPE, 7>(a, t0); break;
-      default: rows_q8<TYPE, 8>(a, t0); break;
-    }
-  }
-}
+struct Rows {
+  template <int NT>
+  static void run(const GemvArgs& a, int t0) { rows_q8<TYPE, NT>(a, t0); }
+};
 
 void gemv_gguf_q8(const GemvArgs& a) {
   switch (a.gguf) {
-    case kQ4K: gemv_t<kQ4K>(a); break;
-    case kQ5K: gemv_t<kQ5K>(a); break;
-    default: gemv_t<kQ6K>(a); break;
+    case kQ4K: token_passes<Rows<kQ4K>>(a); break;
+    case kQ5K: token_passes<Rows<kQ5K>>(a); break;
+    default: token_passes<Rows<kQ6K>>(a); break;
   }
 }
 }  // namespace avx512vnni
@@ -511,12 +515,6 @@ namespace avx2 {
 // with the int8 inputs into pairs of int16 (at most 2 * 63 * 127: no saturation) and vpmaddwd multiplies
 // those by the integer scales into int32 lanes, so a whole block sums in int32 (at most 8 * 4 * 63 * 127 *
 // 127 < 2^31) and turns into fp32 once, times the two d's.
-
-TANDEM_INLINE float f16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
 
 TANDEM_INLINE __m256i scaled(__m256i q, const int8_t* x, __m256i scale16) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_load_si256(reinterpret_cast<const __m256i*>(x))), scale16);
@@ -547,7 +545,7 @@ void rows_q8(const GemvArgs& a, int t0) {
       __m256 ov[2];         // the offsets' scales against the inputs' sums (s32: one vector; s16: two)
       float d;
       if constexpr (TYPE == kQ6K) {
-        d = f16(bp + 208);
+        d = f16c_to_f32(bp + 208);
         const int8_t* s = reinterpret_cast<const int8_t*>(bp + 192);
         const __m256 s16a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s))));
         const __m256 s16b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + 8))));
@@ -568,14 +566,10 @@ void rows_q8(const GemvArgs& a, int t0) {
           }
         }
       } else {
-        d = f16(bp);
-        uint32_t s0, s4, s8;  // the 6-bit (scale, min) fields, as in the AVX-512 kernel's k4_header
-        std::memcpy(&s0, bp + 4, 4);
-        std::memcpy(&s4, bp + 8, 4);
-        std::memcpy(&s8, bp + 12, 4);
-        const uint64_t sc8 = (s0 & 0x3f3f3f3fu) | uint64_t{(s8 & 0x0f0f0f0fu) | ((s0 >> 2) & 0x30303030u)} << 32;
-        const uint64_t m8 = (s4 & 0x3f3f3f3fu) | uint64_t{((s8 >> 4) & 0x0f0f0f0fu) | ((s4 >> 2) & 0x30303030u)} << 32;
-        ov[0] = _mm256_mul_ps(_mm256_set1_ps(f16(bp + 2)),
+        d = f16c_to_f32(bp);
+        uint64_t sc8, m8;
+        k4_fields(bp, sc8, m8);
+        ov[0] = _mm256_mul_ps(_mm256_set1_ps(f16c_to_f32(bp + 2)),
                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(m8)))));
         const uint8_t* qs = bp + (TYPE == kQ4K ? 16 : 48);
         __m256i qh;
@@ -611,26 +605,16 @@ void rows_q8(const GemvArgs& a, int t0) {
 }
 
 template <int TYPE>
-void gemv_t(const GemvArgs& a) {
-  for (int t0 = 0; t0 < a.ntok; t0 += kTok) {
-    switch (std::min(kTok, a.ntok - t0)) {
-      case 1: rows_q8<TYPE, 1>(a, t0); break;
-      case 2: rows_q8<TYPE, 2>(a, t0); break;
-      case 3: rows_q8<TYPE, 3>(a, t0); break;
-      case 4: rows_q8<TYPE, 4>(a, t0); break;
-      case 5: rows_q8<TYPE, 5>(a, t0); break;
-      case 6: rows_q8<TYPE, 6>(a, t0); break;
-      case 7: rows_q8<TYPE, 7>(a, t0); break;
-      default: rows_q8<TYPE, 8>(a, t0); break;
-    }
-  }
-}
+struct Rows {
+  template <int NT>
+  static void run(const GemvArgs& a, int t0) { rows_q8<TYPE, NT>(a, t0); }
+};
 
 void gemv_gguf_q8(const GemvArgs& a) {
   switch (a.gguf) {
-    case kQ4K: gemv_t<kQ4K>(a); break;
-    case kQ5K: gemv_t<kQ5K>(a); break;
-    default: gemv_t<kQ6K>(a); break;
+    case kQ4K: token_passes<Rows<kQ4K>>(a); break;
+    case kQ5K: token_passes<Rows<kQ5K>>(a); break;
+    default: token_passes<Rows<kQ6K>>(a); break;
   }
 }
 
@@ -673,20 +657,12 @@ void rows_f32(const GemvArgs& a, int t0) {
   }
 }
 
-void gemv_gguf(const GemvArgs& a) {
-  for (int t0 = 0; t0 < a.ntok; t0 += kTok) {
-    switch (std::min(kTok, a.ntok - t0)) {
-      case 1: rows_f32<1>(a, t0); break;
-      case 2: rows_f32<2>(a, t0); break;
-      case 3: rows_f32<3>(a, t0); break;
-      case 4: rows_f32<4>(a, t0); break;
-      case 5: rows_f32<5>(a, t0); break;
-      case 6: rows_f32<6>(a, t0); break;
-      case 7: rows_f32<7>(a, t0); break;
-      default: rows_f32<8>(a, t0); break;
-    }
-  }
-}
+struct RowsF32 {
+  template <int NT>
+  static void run(const GemvArgs& a, int t0) { rows_f32<NT>(a, t0); }
+};
+
+void gemv_gguf(const GemvArgs& a) { token_passes<RowsF32>(a); }
 }  // namespace avx2
 #pragma GCC pop_options
 
