@@ -74,6 +74,16 @@ def activation_dtype(banks: ExpertBanks, fp8_activations: str = "bfloat16") -> t
     return getattr(torch, fp8_activations) if dtype == torch.float8_e4m3fn else dtype
 
 
+def kernel_name(ex: CpuExecutor, banks: ExpertBanks, fmt: str, dtype: torch.dtype) -> str:
+    """Which of a format's two kernels runs: FP8's dpbf16 or fp32-input one, a GGUF format's int8- or
+    fp32-input one; "" for formats with one kernel."""
+    if fmt == "fp8":
+        return "dpbf16" if dtype == torch.bfloat16 and ex.fp8_bf16_inputs else "fp32-input"
+    if format_types(fmt) is not None:
+        return "int8-input" if ex.input_rounding(banks.layers[0].format, dtype) else "fp32-input"
+    return ""
+
+
 def make_banks(dtype: str, layers: int, E: int, D: int, I: int) -> ExpertBanks:
     """Random banks: bf16/fp32 uniform(-0.05, 0.05), fp8_block with random e4m3 codes (no NaN) and scales, or
     mxfp4 random bytes (every e2m1 code) with E8M0 scales in MX_SCALES and gpt-oss's zero biases / clamped
@@ -232,9 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     expert_mb = banks.expert_nbytes() / 1e6
     res = {
         "isa": ex.isa, "threads": ex.num_threads, "dtype": args.dtype, "activations": str(dtype).removeprefix("torch."),
-        "kernel": ("dpbf16" if dtype == torch.bfloat16 and ex.fp8_bf16_inputs else "fp32-input") if args.dtype == "fp8"
-        else ("int8-input" if ex.input_rounding(banks.layers[0].format, dtype) else "fp32-input") if format_types(args.dtype)
-        else "",
+        "kernel": kernel_name(ex, banks, args.dtype, dtype),
         "tokens": args.tokens,
         "experts": args.experts, "top_k": args.top_k, "hidden": args.hidden, "intermediate": args.intermediate,
         "expert_mb": expert_mb, "check_max_rel_err": check_err, "banks_setup_s": setup_s,

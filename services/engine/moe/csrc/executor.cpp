@@ -337,7 +337,7 @@ class Executor {
     j.bf16_inputs = j.wdt == WDtype::BF16 ? k_.bf16_wants_bf16_x
                : j.wdt == WDtype::FP8 ? hidden.scalar_type() == torch::kBFloat16 && k_.gemv_fp8_bx != nullptr
                : j.wdt == WDtype::MXFP4 && hidden.scalar_type() == torch::kBFloat16 && k_.gemv_mxfp4_bx != nullptr;
-    // GGUF K-quants: int8 inputs (vpdpbusd) for a bf16 model, as llama.cpp quantizes its activations; an fp32
+    // GGUF K-quants: int8 inputs (gemv.h Q8Block) for a bf16 model, as llama.cpp quantizes its activations; an fp32
     // model's keep the fp32-input kernel, whose products are exact
     j.q8_inputs = j.wdt == WDtype::GGUF && hidden.scalar_type() == torch::kBFloat16 && k_.gemv_gguf_q8 != nullptr &&
                   gguf_k_quant(gu_gguf) && gguf_k_quant(dn_gguf);
