@@ -426,7 +426,7 @@ void rows_q8(const GemvArgs& a, int t0) {
   const int nb = a.K / 256;
   const Q8Block* x[NT];
   for (int t = 0; t < NT; ++t) x[t] = static_cast<const Q8Block*>(a.X[t0 + t]);
-  const __m512i nib = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x03), zero = _mm512_setzero_si512();
+  const __m512i nib = _mm512_set1_epi8(0x0f), low2 = _mm512_set1_epi8(0x03), zero = _mm512_setzero_si512();
   // vector z of a q4_K / q5_K block (c = z / 2 the 64-byte half of qs, k = z % 2 the nibble) holds
   // sub-blocks 4c + k (lanes 0..7) and 4c + 2 + k (8..15); of a q6_K block the values 64z + 4 lane ..
   __m512i scale_of[4], qh_bit[4];
@@ -457,7 +457,7 @@ void rows_q8(const GemvArgs& a, int t0) {
           const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + 128 + 32 * h)));
           for (int n = 0; n < 2; ++n) {
             const __m512i low = _mm512_and_si512(n ? _mm512_srli_epi16(ql, 4) : ql, nib);
-            const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(qh, q6_shift[n]), two);
+            const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(qh, q6_shift[n]), low2);
             q[2 * h + n] = _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
           }
         }
@@ -532,7 +532,7 @@ void rows_q8(const GemvArgs& a, int t0) {
   const int nb = a.K / 256;
   const Q8Block* x[NT];
   for (int t = 0; t < NT; ++t) x[t] = static_cast<const Q8Block*>(a.X[t0 + t]);
-  const __m256i nib = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(0x03);
+  const __m256i nib = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
   for (int r = 0; r < a.nrows; ++r) {
     const uint8_t* row = static_cast<const uint8_t*>(a.W) + r * a.ldb;
     __m256 acc[NT], off[NT];
@@ -558,7 +558,7 @@ void rows_q8(const GemvArgs& a, int t0) {
           for (int k = 0; k < 4; ++k) {  // values 128h + 32k ..
             const __m256i l = k % 2 ? hi : lo;
             const __m256i low = _mm256_and_si256(k / 2 ? _mm256_srli_epi16(l, 4) : l, nib);
-            const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), two);
+            const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), low2);
             const int v = 4 * h + k, g = 8 * h + 2 * k;  // the vector, its first 16-group
             q[v] = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
             sc[v] = _mm256_set_m128i(_mm_set1_epi16(s[g + 1]), _mm_set1_epi16(s[g]));
