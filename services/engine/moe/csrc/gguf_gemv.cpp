@@ -17,8 +17,8 @@
 
 namespace tandem {
 
-static const int kGgufQk[] = {0, 256, 256, 256, 32, 32};    // values per block, by GgufType
-static const int kGgufBytes[] = {0, 144, 176, 210, 34, 17};  // bytes per block
+constexpr int kGgufQk[] = {0, 256, 256, 256, 32, 32};    // values per block, by GgufType
+constexpr int kGgufBytes[] = {0, 144, 176, 210, 34, 17};  // bytes per block
 
 int64_t gguf_row_bytes(int type, int64_t cols) { return cols / kGgufQk[type] * kGgufBytes[type]; }
 int gguf_block_values(int type) { return kGgufQk[type]; }
@@ -158,6 +158,12 @@ __attribute__((target("f16c"))) TANDEM_INLINE float f16c_to_f32(const uint8_t* p
   return _cvtsh_ss(h);
 }
 
+// Where input value v (< 256) of a block sits in Q8Block::q for weights of `type` (gemv.h): q4_K / q5_K swap
+// bits 5 and 6 of the index, q6_K keeps it
+constexpr int q8_lane(int type, int v) {
+  return type == kQ4K || type == kQ5K ? (v & ~0x60) | ((v & 0x20) << 1) | ((v & 0x40) >> 1) : v;
+}
+
 constexpr int kTok = 8;  // tokens per pass over a row's blocks (their accumulators stay in registers)
 
 // A kernel's passes over its rows, kTok tokens at a time: Rows::template run<NT>(a, t0), the pass's token
@@ -268,8 +274,7 @@ TANDEM_INLINE __m512 chunk(const uint8_t* b, int c, const float* s, const float*
 // Tokens t0 .. t0 + NT - 1 over every row: NT a template argument, so the accumulators stay in registers.
 template <int TYPE, int NT>
 void rows_t(const GemvArgs& a, int t0) {
-  constexpr int qk = TYPE <= kQ6K ? 256 : 32, bb = TYPE == kQ4K ? 144 : TYPE == kQ5K ? 176 : TYPE == kQ6K ? 210
-                                                   : TYPE == kQ80 ? 34 : 17;
+  constexpr int qk = kGgufQk[TYPE], bb = kGgufBytes[TYPE];
   const int nb = a.K / qk;
   const __m512 table = _mm512_loadu_ps(kE2m1x2);
   const float* x[NT];
@@ -373,7 +378,6 @@ void gemv_gguf(const GemvArgs& a) {
 #pragma GCC pop_options
 
 void gguf_quantize_inputs(int type, const float* x, int64_t K, Q8Block* out) {
-  const bool swap56 = type == kQ4K || type == kQ5K;  // Q8Block's lane order of q4_K / q5_K (gemv.h)
   for (int64_t b = 0; b < K / 256; ++b) {
     const float* xb = x + 256 * b;
     Q8Block& o = out[b];
@@ -385,7 +389,7 @@ void gguf_quantize_inputs(int type, const float* x, int64_t K, Q8Block* out) {
     for (int v = 0; v < 256; ++v) {
       // nearbyint rounds half to even like torch.round; the clamp also keeps a non-finite input defined
       const int q = static_cast<int>(std::nearbyint(std::fmax(-127.f, std::fmin(127.f, xb[v] * inv))));
-      o.q[swap56 ? (v & ~0x60) | ((v & 0x20) << 1) | ((v & 0x40) >> 1) : v] = static_cast<int8_t>(q);
+      o.q[q8_lane(type, v)] = static_cast<int8_t>(q);
       sum16[v >> 4] += q;
     }
     for (int g = 0; g < 16; ++g) o.s16[g] = o.d * static_cast<float>(sum16[g]);
@@ -422,7 +426,7 @@ TANDEM_INLINE __m512i lanes_of(int a, int b) {  // lanes 0..7 take scale a, 8..1
 
 template <int TYPE, int NT>
 void rows_q8(const GemvArgs& a, int t0) {
-  constexpr int bb = TYPE == kQ4K ? 144 : TYPE == kQ5K ? 176 : 210;
+  constexpr int bb = kGgufBytes[TYPE];
   const int nb = a.K / 256;
   const Q8Block* x[NT];
   for (int t = 0; t < NT; ++t) x[t] = static_cast<const Q8Block*>(a.X[t0 + t]);
@@ -528,7 +532,7 @@ TANDEM_INLINE float hsum(__m256 v) {
 
 template <int TYPE, int NT>
 void rows_q8(const GemvArgs& a, int t0) {
-  constexpr int bb = TYPE == kQ4K ? 144 : TYPE == kQ5K ? 176 : 210;
+  constexpr int bb = kGgufBytes[TYPE];
   const int nb = a.K / 256;
   const Q8Block* x[NT];
   for (int t = 0; t < NT; ++t) x[t] = static_cast<const Q8Block*>(a.X[t0 + t]);
@@ -583,8 +587,7 @@ void rows_q8(const GemvArgs& a, int t0) {
                                                           _mm256_set1_epi8(16)));
           }
           sc[j] = _mm256_set1_epi16(static_cast<int16_t>((sc8 >> (8 * j)) & 0xff));
-          const int v = 32 * j;  // Q8Block's q4_K / q5_K order: bits 5 and 6 of the index swapped
-          xo[j] = (v & ~0x60) | ((v & 0x20) << 1) | ((v & 0x40) >> 1);
+          xo[j] = q8_lane(TYPE, 32 * j);  // sub-block j's 32 inputs, contiguous in Q8Block's order
         }
       }
       for (int t = 0; t < NT; ++t) {
@@ -618,9 +621,6 @@ void gemv_gguf_q8(const GemvArgs& a) {
   }
 }
 
-// fp32 inputs on AVX2 (fp32 models, q8_0 / mxfp4_gguf banks): the scalar kernel's form, each block decoded
-// once into fp32 values on the stack (the decoders' plain loops, vectorized here for AVX2), then 8-wide FMAs
-// per token; ~3-4x the scalar kernel, whose dot products the compiler may not reorder into vectors.
 // mxfp4_gguf 8 values at a time: the e2m1 magnitude by an 8-entry permute, the sign bit moved into place
 // (the plain decoder's 16-entry table lookup does not vectorize)
 TANDEM_INLINE void decode_mxfp4_8(const uint8_t* b, float* out) {
@@ -636,6 +636,9 @@ TANDEM_INLINE void decode_mxfp4_8(const uint8_t* b, float* out) {
   }
 }
 
+// fp32 inputs on AVX2 (fp32 models, q8_0 / mxfp4_gguf banks): the scalar kernel's form, each block decoded
+// once into fp32 values on the stack (the decoders' plain loops, vectorized here for AVX2), then 8-wide FMAs
+// per token; 1.3-3.5x the scalar kernel, whose dot products the compiler may not reorder into vectors.
 template <int NT>
 void rows_f32(const GemvArgs& a, int t0) {
   const int type = a.gguf, qk = kGgufQk[type], nb = a.K / qk, bb = kGgufBytes[type];
@@ -666,17 +669,17 @@ void gemv_gguf(const GemvArgs& a) { token_passes<RowsF32>(a); }
 }  // namespace avx2
 #pragma GCC pop_options
 
+static bool avx512_isa(const char* isa) { return std::strcmp(isa, "avx512bf16") == 0 || std::strcmp(isa, "avx512") == 0; }
+
 GemvFn gguf_q8_kernel(const char* isa) {
   if (!isa || std::strcmp(isa, "scalar") == 0) return nullptr;  // the ISAs below scalar all have AVX2 + FMA
-  const bool has512 = std::strcmp(isa, "avx512bf16") == 0 || std::strcmp(isa, "avx512") == 0;
-  if (has512 && __builtin_cpu_supports("avx512vnni")) return avx512vnni::gemv_gguf_q8;
+  if (avx512_isa(isa) && __builtin_cpu_supports("avx512vnni")) return avx512vnni::gemv_gguf_q8;
   return __builtin_cpu_supports("f16c") ? avx2::gemv_gguf_q8 : nullptr;
 }
 
 GemvFn gguf_kernel(const char* isa) {
   if (!isa) return nullptr;
-  const bool has512 = std::strcmp(isa, "avx512bf16") == 0 || std::strcmp(isa, "avx512") == 0;
-  return has512 ? avx512::gemv_gguf : std::strcmp(isa, "avx2") == 0 ? avx2::gemv_gguf : scalar::gemv_gguf;
+  return avx512_isa(isa) ? avx512::gemv_gguf : std::strcmp(isa, "avx2") == 0 ? avx2::gemv_gguf : scalar::gemv_gguf;
 }
 
 }  // namespace tandem
