@@ -48,7 +48,7 @@ class LoadProgress:
     """One step per tensor copied: a progress bar on the terminal and ``progress`` dicts for /health. Called as
     ``step()``; ``close()`` ends the bar."""
 
-    def __init__(self, total: int, name: str, progress: Callable[[dict], None] | None):
+    def __init__(self, total: int, name: str, progress: Progress | None):
         self.total, self.done, self.progress = total, 0, progress
         self.bar = tqdm(total=total, desc=f"loading {name}", unit="tensor", leave=False)
 
