@@ -1,5 +1,5 @@
 """The CPU executor's GGUF GEMV kernels alone, on the calling thread: GB/s of block bytes per type, ISA and
-input kind (int8 inputs: a bf16 model's K-quants; fp32 inputs: the rest).
+input kind (int8 inputs: a bf16 model's; fp32 inputs: an fp32 model's).
 
 The default shape is llama.cpp's own CPU benchmark case, ``test-backend-ops perf -o MUL_MAT`` with m=4096,
 n=1, k=14336 (33–62 MB of blocks: streamed from DRAM), so its us/run compare directly with ggml's kernels on
@@ -21,7 +21,7 @@ import time
 import torch
 
 from services.engine.moe.cpu_executor import build_extension
-from services.engine.moe.gguf_quant import K_QUANTS, KERNEL_CODE, GGUFType, dequantize, q8_inputs, quantize
+from services.engine.moe.gguf_quant import KERNEL_CODE, GGUFType, dequantize, q8_inputs, quantize
 
 POOL_ROWS = 256  # distinct rows quantized, then tiled to --rows (quantizing 4096 x 14336 takes minutes)
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         W = pool.repeat(-(-args.rows // pool.shape[0]), 1)[:args.rows].contiguous()  # [rows, row bytes]
         dense = dequantize(pool, qtype, args.cols)
         for isa in isas:
-            for q8 in (True, False) if qtype in K_QUANTS and isa != "scalar" else (False,):  # scalar: fp32 only
+            for q8 in (True, False) if isa != "scalar" else (False,):  # scalar: fp32 only
                 run = lambda: ext.gemv_gguf(isa, W, KERNEL_CODE[qtype], X, q8)  # noqa: E731
                 ref = (q8_inputs(X) if q8 else X) @ dense.T
                 err = ((run()[:, :pool.shape[0]] - ref).abs().max() / ref.abs().max()).item()

@@ -30,7 +30,7 @@ import torch
 from services.common.logging import get_logger
 from services.common.settings import env
 from services.engine.moe.banks import ExpertBanks, LayerBanks
-from services.engine.moe.gguf_quant import K_QUANTS, KERNEL_CODE, format_types, q8_inputs
+from services.engine.moe.gguf_quant import KERNEL_CODE, format_types, q8_inputs
 
 log = get_logger("engine.cpu_executor")
 
@@ -286,19 +286,17 @@ class CpuExecutor:
 
     @property
     def gguf_q8_inputs(self) -> bool:
-        """Whether K-quant GGUF banks (q4_K, q5_K, q6_K) run an int8-input kernel when hidden states come in
-        bf16 (every ISA but scalar: AVX512-VNNI's vpdpbusd, else AVX2's vpmaddubsw): inputs quantized to int8
-        per 256 values (gguf_quant.q8_inputs) meet the blocks' integer quants. fp32 hidden states, and q8_0 /
-        mxfp4_gguf banks, take the fp32-input kernel."""
+        """Whether GGUF banks (every type) run an int8-input kernel when hidden states come in bf16 (every ISA
+        but scalar: AVX512-VNNI's vpdpbusd, else AVX2's vpmaddubsw): inputs quantized to int8 per 256 values
+        (gguf_quant.q8_inputs) meet the blocks' integer quants. fp32 hidden states take the fp32-input kernel."""
         return self._impl.gguf_q8_inputs
 
     def input_rounding(self, fmt: str, dtype: torch.dtype):
         """What the GEMVs of a layer of format ``fmt`` do to their inputs when hidden states come in ``dtype``:
         gguf_quant.q8_inputs where the int8-input kernel runs (the reference then sees the same inputs), else
         None (fp32 inputs)."""
-        types = format_types(fmt)
-        k_quants = types is not None and all(t in K_QUANTS for t in types)
-        return q8_inputs if k_quants and dtype == torch.bfloat16 and self.gguf_q8_inputs else None
+        gguf = format_types(fmt) is not None
+        return q8_inputs if gguf and dtype == torch.bfloat16 and self.gguf_q8_inputs else None
 
     @property
     def num_threads(self) -> int:

@@ -200,19 +200,20 @@ def dense_experts(gate_up: torch.Tensor, down: torch.Tensor, gate_up_type: GGUFT
     return dequantize(gate_up, gate_up_type, D).to(dtype), dequantize(down, down_type, I).to(dtype)
 
 
-K_QUANTS = (GGUFType.Q4_K, GGUFType.Q5_K, GGUFType.Q6_K)
-
-
 def q8_inputs(x: torch.Tensor) -> torch.Tensor:
-    """The reference of the CPU executor's int8 inputs to K-quant blocks (bf16 models; AVX512-VNNI or AVX2): each 256
+    """The reference of the CPU executor's int8 inputs to GGUF blocks (bf16 models; AVX512-VNNI or AVX2): each 256
     values of the last dimension as d * q with q = round(x * 127 / amax) (half to even) and d = amax / 127,
-    all in fp32 -> fp32, same shape. The kernel then multiplies the blocks' integer quants with q exactly."""
-    blocks = x.float().reshape(*x.shape[:-1], -1, QK_K)
+    all in fp32 -> fp32, same shape. A last dimension that is no multiple of 256 (q8_0 / mxfp4_gguf rows, gpt-oss's
+    2880) ends in a partial block with its own amax: padded with zeros, quantized, cut back. The kernel then
+    multiplies the blocks' integer quants with q exactly."""
+    cols = x.shape[-1]
+    padded = torch.nn.functional.pad(x.float(), (0, -cols % QK_K))
+    blocks = padded.reshape(*x.shape[:-1], -1, QK_K)
     amax = blocks.abs().amax(-1, keepdim=True)
     c127 = torch.full_like(amax, 127.0)  # tensor / tensor: IEEE division (a python scalar over a tensor is
     inv = torch.where(amax > 0, c127 / amax, torch.zeros_like(amax))  # computed as its reciprocal times it)
     q = torch.round(blocks * inv).clamp(-127, 127)
-    return (q * (amax / c127)).reshape(x.shape)
+    return (q * (amax / c127)).reshape(padded.shape)[..., :cols]
 
 
 # -- quantize --------------------------------------------------------------------------------------------

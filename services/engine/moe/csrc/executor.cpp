@@ -118,7 +118,7 @@ struct Job {
   int gu_gguf = 0, dn_gguf = 0;      // GGUF: gate_up's and down's GgufType (they may differ), else 0
   int64_t gu_ldb = 0, dn_ldb = 0;    // GGUF: bytes between rows (>= the type's row bytes: padded slots)
   bool bf16_inputs = false;          // the GEMVs take bf16 inputs (x_bf16, act_bf16), else fp32
-  bool q8_inputs = false;            // GGUF K-quants of a bf16 model: int8 inputs (x_q8, act_q8; gemv.h Q8Block)
+  bool q8_inputs = false;            // GGUF experts of a bf16 model: int8 inputs (x_q8, act_q8; gemv.h Q8Block)
   // scratch, sized in submit() for the worst case R = T*A
   std::vector<int> count;            // [E]
   std::vector<int> group_expert;     // [G]
@@ -131,9 +131,9 @@ struct Job {
   std::vector<float> h;              // [R, 2I] gate then up outputs
   std::vector<float> act_f32;        // [R, I] (mxfp4: pair-split per 32)
   std::vector<uint16_t> act_bf16;    // [R, I]
-  std::vector<Q8Block> x_q8;         // [T, D / 256]
-  std::vector<Q8Block> act_q8;       // [R, I / 256]
-  std::unique_ptr<std::atomic<int>[]> act_filled;  // [G, I / 256] SwiGLU outputs written per block of act_q8
+  std::vector<Q8Block> x_q8;         // [T, q8_blocks(D)]
+  std::vector<Q8Block> act_q8;       // [R, q8_blocks(I)]
+  std::unique_ptr<std::atomic<int>[]> act_filled;  // [G, q8_blocks(I)] SwiGLU outputs written per block of act_q8
   size_t act_filled_cap = 0;
   std::vector<const void*> x_ptr;    // [R] phase-1 inputs per route
   std::vector<const void*> act_ptr;  // [R] phase-2 inputs per route
@@ -337,10 +337,9 @@ class Executor {
     j.bf16_inputs = j.wdt == WDtype::BF16 ? k_.bf16_wants_bf16_x
                : j.wdt == WDtype::FP8 ? hidden.scalar_type() == torch::kBFloat16 && k_.gemv_fp8_bx != nullptr
                : j.wdt == WDtype::MXFP4 && hidden.scalar_type() == torch::kBFloat16 && k_.gemv_mxfp4_bx != nullptr;
-    // GGUF K-quants: int8 inputs (gemv.h Q8Block) for a bf16 model, as llama.cpp quantizes its activations; an fp32
-    // model's keep the fp32-input kernel, whose products are exact
-    j.q8_inputs = j.wdt == WDtype::GGUF && hidden.scalar_type() == torch::kBFloat16 && k_.gemv_gguf_q8 != nullptr &&
-                  gguf_k_quant(gu_gguf) && gguf_k_quant(dn_gguf);
+    // GGUF: int8 inputs (gemv.h Q8Block) for a bf16 model, as llama.cpp quantizes its activations (every type has
+    // the kernel); an fp32 model's keep the fp32-input kernel, whose products are exact
+    j.q8_inputs = j.wdt == WDtype::GGUF && hidden.scalar_type() == torch::kBFloat16 && k_.gemv_gguf_q8 != nullptr;
     const auto math = expert_math_.find(gate_up.data_ptr());
     j.gate_up_bias = math == expert_math_.end() ? nullptr : math->second.first;
     j.down_bias = math == expert_math_.end() ? nullptr : math->second.second;
@@ -358,10 +357,10 @@ class Executor {
     j.h.resize(Rmax * 2 * I);
     if (bf16_x()) j.act_bf16.resize(Rmax * I); else j.act_f32.resize(Rmax * I);
     if (j.q8_inputs) {
-      j.x_q8.resize(T * D / 256);
-      j.act_q8.resize(Rmax * I / 256);
-      if (j.act_filled_cap < Rmax * I / 256) {  // G <= R groups
-        j.act_filled_cap = Rmax * I / 256;
+      j.x_q8.resize(T * q8_blocks(D));
+      j.act_q8.resize(Rmax * q8_blocks(I));
+      if (j.act_filled_cap < Rmax * q8_blocks(I)) {  // G <= R groups
+        j.act_filled_cap = Rmax * q8_blocks(I);
         j.act_filled.reset(new std::atomic<int>[j.act_filled_cap]);
       }
     }
@@ -814,15 +813,15 @@ class Executor {
       }
     }
     if (R > 0 && j.q8_inputs) {
-      for (int64_t t = 0; t < T; ++t) gguf_quantize_inputs(j.gu_gguf, &j.x_f32[t * D], D, &j.x_q8[t * D / 256]);
-      for (int64_t b = 0; b < (int64_t)G * I / 256; ++b) j.act_filled[b].store(0, std::memory_order_relaxed);
+      for (int64_t t = 0; t < T; ++t) gguf_quantize_inputs(j.gu_gguf, &j.x_f32[t * D], D, &j.x_q8[t * q8_blocks(D)]);
+      for (int64_t b = 0; b < G * q8_blocks(I); ++b) j.act_filled[b].store(0, std::memory_order_relaxed);
     }
     float* out = j.out.data_ptr<float>();
     for (int r = 0; r < R; ++r) {
       const int tok = j.route_tok[r];
-      j.x_ptr[r] = j.q8_inputs ? static_cast<const void*>(&j.x_q8[(size_t)tok * D / 256])
+      j.x_ptr[r] = j.q8_inputs ? static_cast<const void*>(&j.x_q8[(size_t)tok * q8_blocks(D)])
                  : bf16_x() ? static_cast<const void*>(&j.x_bf16[(size_t)tok * D]) : static_cast<const void*>(&j.x_f32[(size_t)tok * D]);
-      j.act_ptr[r] = j.q8_inputs ? static_cast<const void*>(&j.act_q8[(size_t)r * I / 256])
+      j.act_ptr[r] = j.q8_inputs ? static_cast<const void*>(&j.act_q8[(size_t)r * q8_blocks(I)])
                    : bf16_x() ? static_cast<const void*>(&j.act_bf16[(size_t)r * I]) : static_cast<const void*>(&j.act_f32[(size_t)r * I]);
       j.h_ptr[r] = &j.h[(size_t)r * 2 * I];
       j.out_ptr[r] = out + (size_t)tok * D;
@@ -971,16 +970,17 @@ class Executor {
   }
 
   // q8 inputs: the SwiGLU outputs [i0, i1) of group g are written. The thread that completes a 256-value block
-  // (its counter reaches 256; acq_rel: the other writers' values are visible) quantizes it for the group's
-  // routes, so phase 2 needs no extra barrier.
+  // (its counter reaches the block's length: 256, or I's tail for a partial last block; acq_rel: the other
+  // writers' values are visible) quantizes it for the group's routes, so phase 2 needs no extra barrier.
   void quantize_filled(int g, int64_t i0, int64_t i1) {
     Job& j = job_;
-    const int64_t I = j.I, nbI = I / 256;
+    const int64_t I = j.I, nbI = q8_blocks(I);
     for (int64_t b = i0 / 256; b * 256 < i1; ++b) {
-      const int n = static_cast<int>(std::min(i1, (b + 1) * 256) - std::max(i0, b * 256));
-      if (j.act_filled[g * nbI + b].fetch_add(n, std::memory_order_acq_rel) + n != 256) continue;
+      const int64_t end = std::min(I, (b + 1) * 256);
+      const int n = static_cast<int>(std::min(i1, end) - std::max(i0, b * 256));
+      if (j.act_filled[g * nbI + b].fetch_add(n, std::memory_order_acq_rel) + n != end - 256 * b) continue;
       for (int r = j.group_start[g]; r < j.group_start[g + 1]; ++r)
-        gguf_quantize_inputs(j.dn_gguf, &j.act_f32[(size_t)r * I + 256 * b], 256, &j.act_q8[(size_t)r * nbI + b]);
+        gguf_quantize_inputs(j.dn_gguf, &j.act_f32[(size_t)r * I + 256 * b], end - 256 * b, &j.act_q8[(size_t)r * nbI + b]);
     }
   }
 
@@ -1080,7 +1080,7 @@ static torch::Tensor gemv_fp8(const std::string& isa, torch::Tensor W, torch::Te
 
 // One GGUF GEMV kernel alone, on the calling thread (tests): W uint8 [N, >= row bytes of K] of `type`
 // (gguf_quant.KERNEL_CODE) · X [T, K] fp32 -> Y [T, N] fp32; q8: X quantized (gguf_quantize_inputs) for the
-// int8-input K-quant kernel, else the fp32-input kernel.
+// int8-input kernel, else the fp32-input kernel.
 static torch::Tensor gemv_gguf(const std::string& isa, torch::Tensor W, int64_t type, torch::Tensor X, bool q8) {
   const IsaKernels k = select_kernels(isa.c_str());
   TORCH_CHECK(k.name != nullptr, "gemv_gguf: ISA '", isa, "' is not supported by this CPU");
@@ -1089,16 +1089,16 @@ static torch::Tensor gemv_gguf(const std::string& isa, torch::Tensor W, int64_t 
   TORCH_CHECK(gguf_block_values(type) > 0 && K % gguf_block_values(type) == 0 && W.scalar_type() == torch::kUInt8 &&
                   W.dim() == 2 && W.is_contiguous() && W.size(1) >= gguf_row_bytes(type, K),
               "gemv_gguf: W must be contiguous uint8 [N, >= row bytes] of a type 1..5 whose blocks divide K");
-  const GemvFn fn = q8 ? (gguf_k_quant(type) ? k.gemv_gguf_q8 : nullptr) : k.gemv_gguf;
-  TORCH_CHECK(fn != nullptr, "gemv_gguf: ISA '", isa, "' has no ", q8 ? "int8-input kernel for this type" : "GGUF kernel");
-  std::vector<Q8Block> xq(q8 ? T * K / 256 : 0);
+  const GemvFn fn = q8 ? k.gemv_gguf_q8 : k.gemv_gguf;
+  TORCH_CHECK(fn != nullptr, "gemv_gguf: ISA '", isa, "' has no ", q8 ? "int8-input kernel" : "GGUF kernel");
+  std::vector<Q8Block> xq(q8 ? T * q8_blocks(K) : 0);
   torch::Tensor Y = torch::empty({T, N}, torch::kFloat32);
   std::vector<const void*> x(T);
   std::vector<float*> y(T);
   for (int64_t t = 0; t < T; ++t) {
     const float* xt = X.data_ptr<float>() + t * K;
-    if (q8) gguf_quantize_inputs(static_cast<int>(type), xt, K, &xq[t * K / 256]);
-    x[t] = q8 ? static_cast<const void*>(&xq[t * K / 256]) : static_cast<const void*>(xt);
+    if (q8) gguf_quantize_inputs(static_cast<int>(type), xt, K, &xq[t * q8_blocks(K)]);
+    x[t] = q8 ? static_cast<const void*>(&xq[t * q8_blocks(K)]) : static_cast<const void*>(xt);
     y[t] = Y.data_ptr<float>() + t * N;
   }
   GemvArgs a{W.data_ptr(), K, static_cast<int>(N), static_cast<int>(K), x.data(), static_cast<int>(T), y.data(), nullptr};

@@ -23,8 +23,8 @@
 // 4j + 3 (mxfp4_bx_pos); a row's last chunk of r < 4 blocks the same with 8r words.
 //
 // GGUF (q4_K, q5_K, q6_K, q8_0, mxfp4_gguf banks; gguf_gemv.cpp): W holds the file's blocks, `gguf` the
-// type (GgufType), row r at W + r * ldb bytes (K counts values); X fp32 as is. The K-quants have a second
-// kernel for bf16 models: X[t] points at K / 256 Q8Blocks (gguf_quantize_inputs), and the blocks' integer
+// type (GgufType), row r at W + r * ldb bytes (K counts values); X fp32 as is. Every type has a second
+// kernel for bf16 models: X[t] points at q8_blocks(K) Q8Blocks (gguf_quantize_inputs), and the blocks' integer
 // quants meet the inputs' int8 ones in vpdpbusd (AVX512-VNNI) or vpmaddubsw + vpmaddwd (AVX2).
 #pragma once
 #include <cstdint>
@@ -38,20 +38,23 @@ enum GgufType : int { kQ4K = 1, kQ5K = 2, kQ6K = 3, kQ80 = 4, kMxfp4Gguf = 5 };
 int64_t gguf_row_bytes(int type, int64_t cols);  // bytes of a row of `cols` values (a multiple of the block's)
 int gguf_block_values(int type);                 // values per block: 256 (K-quants) or 32
 int gguf_type_of_row(int64_t nbytes, int64_t cols);  // the type whose rows of `cols` values take nbytes; 0: none
-inline bool gguf_k_quant(int type) { return type == kQ4K || type == kQ5K || type == kQ6K; }
 
-// 256 inputs of a K-quant GEMV as int8 (reference: services/engine/moe/gguf_quant.q8_inputs): value v is
+// 256 inputs of a GGUF GEMV as int8 (reference: services/engine/moe/gguf_quant.q8_inputs): value v is
 // d * q[pos(v)], q = round(v * 127 / amax) half to even, d = amax / 127. pos is the weight type's lane order:
 // q4_K / q5_K swap bits 5 and 6 of the index, so one 64-byte vector of a block's quant bytes meets its
-// inputs with the low nibbles (sub-blocks 4c + {0, 2}) in one vector and the high ones in the next; q6_K
-// keeps the natural order. The sums carry the blocks' offsets: q4_K / q5_K's mins, q6_K's -32.
+// inputs with the low nibbles (sub-blocks 4c + {0, 2}) in one vector and the high ones in the next; q6_K,
+// q8_0 and mxfp4_gguf keep the natural order. The sums carry the K-quant blocks' offsets: q4_K / q5_K's mins,
+// q6_K's -32 (q8_0 and mxfp4_gguf have none). A row of K values takes q8_blocks(K) blocks: K-quant rows are
+// whole blocks, a 32-value type's may end in a partial one (gpt-oss: 2880 = 11.25 x 256), whose tail has its
+// own amax and zeros past K.
 struct alignas(64) Q8Block {
   int8_t q[256];
   float s16[16];  // d * sum of q over each 16 values (natural order)
   float s32[16];  // d * sum over each 32 values; lanes 8..15 zero (one vector against 8 mins)
   float d;
 };
-void gguf_quantize_inputs(int type, const float* x, int64_t K, Q8Block* out);  // K / 256 blocks
+inline int64_t q8_blocks(int64_t K) { return (K + 255) / 256; }
+void gguf_quantize_inputs(int type, const float* x, int64_t K, Q8Block* out);  // q8_blocks(K) blocks
 
 constexpr int kFp8Block = 128;  // the fp8_block format's block edge (services/engine/moe/fp8.py BLOCK)
 constexpr int kMxBlock = 32;    // values per E8M0 scale (services/engine/models/mxfp4.py BLOCK)
@@ -98,11 +101,11 @@ struct IsaKernels {
   GemvFn gemv_mxfp4 = nullptr;  // packed e2m1 weights with E8M0 scales per 32, fp32 X pair-split
   GemvFn gemv_mxfp4_bx = nullptr;  // the same weights with bf16 X nibble-split (vdpbf16ps), or nullptr
   GemvFn gemv_gguf = nullptr;   // GGUF blocks (GemvArgs::gguf), fp32 X
-  GemvFn gemv_gguf_q8 = nullptr;  // K-quant blocks with Q8Block X (AVX512-VNNI or AVX2), nullptr for scalar
+  GemvFn gemv_gguf_q8 = nullptr;  // GGUF blocks with Q8Block X (AVX512-VNNI or AVX2), nullptr for scalar
 };
 
 GemvFn gguf_kernel(const char* isa);     // the GGUF kernel of an ISA (gguf_gemv.cpp)
-GemvFn gguf_q8_kernel(const char* isa);  // ... and its int8-input K-quant kernel, or nullptr
+GemvFn gguf_q8_kernel(const char* isa);  // ... and its int8-input kernel (every GGUF type), or nullptr
 
 IsaKernels select_kernels(const char* force);
 

@@ -117,9 +117,14 @@ TANDEM_INLINE void decode_q8_0(const uint8_t* b, float* out) {
 // twice the e2m1 values (integers); times half the E8M0 scale, 2**(e - 128), as gguf-py computes it
 static const float kE2m1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, -0.f, -1, -2, -3, -4, -6, -8, -12};
 
-TANDEM_INLINE void decode_mxfp4(const uint8_t* b, float* out) {
+// half the E8M0 scale of an mxfp4_gguf block, 2**(e - 128) (e < 2: the subnormals 2**-128, 2**-127)
+TANDEM_INLINE float mxfp4_half(const uint8_t* b) {
   const uint32_t e = b[0];
-  const float half = bits_f32(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+  return bits_f32(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+}
+
+TANDEM_INLINE void decode_mxfp4(const uint8_t* b, float* out) {
+  const float half = mxfp4_half(b);
   for (int l = 0; l < 16; ++l) {
     out[l] = half * kE2m1x2[b[1 + l] & 15];
     out[l + 16] = half * kE2m1x2[b[1 + l] >> 4];
@@ -162,6 +167,29 @@ __attribute__((target("f16c"))) TANDEM_INLINE float f16c_to_f32(const uint8_t* p
 // bits 5 and 6 of the index, q6_K keeps it
 constexpr int q8_lane(int type, int v) {
   return type == kQ4K || type == kQ5K ? (v & ~0x60) | ((v & 0x20) << 1) | ((v & 0x40) >> 1) : v;
+}
+
+// q8_0 / mxfp4_gguf against int8 inputs: a 32-value block's quants as signed int8 in value order (mxfp4_gguf:
+// twice the e2m1 values, the integers 0..12 and their negatives, by a 16-entry byte shuffle) ...
+template <int TYPE>
+__attribute__((target("avx2,f16c"))) TANDEM_INLINE __m256i block32_quants(const uint8_t* b) {
+  if constexpr (TYPE == kQ80) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+  } else {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 1)), nib = _mm_set1_epi8(15);
+    const __m256i e2m1x2 = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                                            0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), nib), _mm_and_si128(bytes, nib));
+    return _mm256_shuffle_epi8(e2m1x2, v);
+  }
+}
+// ... and the scale of those integers: q8_0's d, mxfp4_gguf's half E8M0 scale. Their products with the
+// inputs' int8 are signed x signed; vpdpbusd / vpmaddubsw take unsigned x signed, so the kernels multiply
+// |w| with x carrying w's sign (exact: |w| <= 128, |x| <= 127).
+template <int TYPE>
+__attribute__((target("avx2,f16c"))) TANDEM_INLINE float block32_scale(const uint8_t* b) {
+  if constexpr (TYPE == kQ80) return f16c_to_f32(b);
+  else return mxfp4_half(b);
 }
 
 constexpr int kTok = 8;  // tokens per pass over a row's blocks (their accumulators stay in registers)
@@ -238,8 +266,7 @@ TANDEM_INLINE void header(const uint8_t* b, float* s, float* o) {
   } else if constexpr (TYPE == kQ80) {
     s[0] = half_to_f32(b);
   } else {
-    const uint32_t e = b[0];
-    s[0] = bits_f32(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+    s[0] = mxfp4_half(b);
   }
 }
 
@@ -378,17 +405,18 @@ void gemv_gguf(const GemvArgs& a) {
 #pragma GCC pop_options
 
 void gguf_quantize_inputs(int type, const float* x, int64_t K, Q8Block* out) {
-  for (int64_t b = 0; b < K / 256; ++b) {
+  for (int64_t b = 0; b < q8_blocks(K); ++b) {
     const float* xb = x + 256 * b;
+    const int n = static_cast<int>(std::min<int64_t>(256, K - 256 * b));  // < 256: a row's partial last block
     Q8Block& o = out[b];
     float amax = 0.f;
-    for (int v = 0; v < 256; ++v) amax = std::max(amax, std::fabs(xb[v]));
+    for (int v = 0; v < n; ++v) amax = std::max(amax, std::fabs(xb[v]));
     const float inv = amax > 0.f ? 127.f / amax : 0.f;  // as the reference computes it: exact same roundings
     o.d = amax / 127.f;
     int sum16[16] = {};
     for (int v = 0; v < 256; ++v) {
       // nearbyint rounds half to even like torch.round; the clamp also keeps a non-finite input defined
-      const int q = static_cast<int>(std::nearbyint(std::fmax(-127.f, std::fmin(127.f, xb[v] * inv))));
+      const int q = v < n ? static_cast<int>(std::nearbyint(std::fmax(-127.f, std::fmin(127.f, xb[v] * inv)))) : 0;
       o.q[q8_lane(type, v)] = static_cast<int8_t>(q);
       sum16[v >> 4] += q;
     }
@@ -495,17 +523,114 @@ void rows_q8(const GemvArgs& a, int t0) {
   }
 }
 
+// q8_0 / mxfp4_gguf: the scales of n <= 8 consecutive 32-value blocks at bp in lanes 0..n-1 (the higher lanes
+// finite: they meet zero quants), gathered by scalar loads into one vector (a gather is slower here)
+template <int TYPE>
+TANDEM_INLINE __m256 block32_scales(const uint8_t* bp, int n) {
+  constexpr int bb = kGgufBytes[TYPE];
+  uint64_t v[2] = {0, 0};
+  if constexpr (TYPE == kQ80) {  // fp16 d, four to a word
+    for (int i = 0; i < n; ++i) {
+      uint16_t h;
+      std::memcpy(&h, bp + bb * i, 2);
+      v[i / 4] |= uint64_t{h} << (16 * (i % 4));
+    }
+    return _mm256_cvtph_ps(_mm_set_epi64x(static_cast<int64_t>(v[1]), static_cast<int64_t>(v[0])));
+  } else {  // mxfp4_half of each E8M0 byte: (e - 1) << 23, the subnormals 0x00200000 << e for e < 2
+    for (int i = 0; i < n; ++i) v[0] |= uint64_t{bp[bb * i]} << (8 * i);
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(v[0])));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+  }
+}
+
+// Two 32-value blocks at p (the second only if `two`, else zeros) as |w| in value order and w's sign mask
+template <int TYPE>
+TANDEM_INLINE void pair_quants(const uint8_t* p, bool two, __m512i& aw, __mmask64& neg) {
+  constexpr int bb = kGgufBytes[TYPE];
+  if constexpr (TYPE == kQ80) {
+    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(block32_quants<TYPE>(p)),
+                                         two ? block32_quants<TYPE>(p + bb) : _mm256_setzero_si256(), 1);
+    aw = _mm512_abs_epi8(w);
+    neg = _mm512_movepi8_mask(w);
+  } else {  // the 16 nibble bytes of each block, low nibbles (values 0..15) then high ones (16..31) per block
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 1));
+    const __m256i ab = two ? _mm256_inserti128_si256(_mm256_castsi128_si256(a), _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + bb + 1)), 1)
+                           : _mm256_zextsi128_si256(a);
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(ab), _mm256_srli_epi16(ab, 4), 1);  // a, b, a >> 4, b >> 4
+    const __m512i nib = _mm512_and_si512(_mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(15));
+    const __m512i mag = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12));
+    aw = _mm512_shuffle_epi8(mag, nib);  // twice the e2m1 magnitude; bit 3 of the nibble its sign
+    neg = _mm512_test_epi8_mask(nib, _mm512_set1_epi8(8));
+  }
+}
+
+// q8_0 / mxfp4_gguf: the n <= 8 blocks of one input block qb (a row's last may hold fewer), two per vector
+// (lanes 0..7 the first, 8..15 the second; an odd n's last vector has zeros above). |w| meets the inputs with
+// w's sign (a masked negation) in one vpdpbusd per token, the lanes take their block's scale in one FMA, the
+// input block's d once.
+template <int TYPE, int NT>
+TANDEM_INLINE void q8block_32(const uint8_t* bp, int n, const Q8Block* const* x, int qb, __m512* acc) {
+  constexpr int bb = kGgufBytes[TYPE];
+  const __m512 s8 = _mm512_castps256_ps512(block32_scales<TYPE>(bp, n));
+  const int nv = (n + 1) / 2;
+  __m512i aw[4];
+  __mmask64 neg[4];
+  __m512 sv[4];
+  for (int z = 0; z < nv; ++z) {
+    pair_quants<TYPE>(bp + 2 * z * bb, 2 * z + 1 < n, aw[z], neg[z]);
+    sv[z] = _mm512_permutexvar_ps(lanes_of(2 * z, 2 * z + 1), s8);
+  }
+  const __m512i zero = _mm512_setzero_si512();
+  for (int t = 0; t < NT; ++t) {
+    const Q8Block& xb = x[t][qb];
+    __m512 f = _mm512_setzero_ps();
+    for (int z = 0; z < nv; ++z) {
+      const __m512i xv = _mm512_load_si512(xb.q + 64 * z);
+      f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, aw[z], _mm512_mask_sub_epi8(xv, neg[z], zero, xv))), sv[z], f);
+    }
+    acc[t] = _mm512_fmadd_ps(f, _mm512_set1_ps(xb.d), acc[t]);
+  }
+}
+
+template <int TYPE, int NT>
+void rows_q8_32(const GemvArgs& a, int t0) {
+  constexpr int bb = kGgufBytes[TYPE];
+  const int nb = a.K / 32, full = nb / 8;
+  const Q8Block* x[NT];
+  for (int t = 0; t < NT; ++t) x[t] = static_cast<const Q8Block*>(a.X[t0 + t]);
+  for (int r = 0; r < a.nrows; ++r) {
+    const uint8_t* row = static_cast<const uint8_t*>(a.W) + r * a.ldb;
+    __m512 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+    for (int qb = 0; qb < full; ++qb) {
+      const uint8_t* bp = row + 8 * qb * bb;
+      for (int o = 0; o < 8 * bb; o += 64)  // the stream ahead, into L2
+        _mm_prefetch(reinterpret_cast<const char*>(bp) + 1024 + o, _MM_HINT_T1);
+      q8block_32<TYPE, NT>(bp, 8, x, qb, acc);
+    }
+    if (nb % 8) q8block_32<TYPE, NT>(row + 8 * full * bb, nb % 8, x, full, acc);  // a partial last input block
+    for (int t = 0; t < NT; ++t) store(a, r, t0 + t, _mm512_reduce_add_ps(acc[t]));
+  }
+}
+
 template <int TYPE>
 struct Rows {
   template <int NT>
-  static void run(const GemvArgs& a, int t0) { rows_q8<TYPE, NT>(a, t0); }
+  static void run(const GemvArgs& a, int t0) {
+    if constexpr (kGgufQk[TYPE] == 32) rows_q8_32<TYPE, NT>(a, t0);
+    else rows_q8<TYPE, NT>(a, t0);
+  }
 };
 
 void gemv_gguf_q8(const GemvArgs& a) {
   switch (a.gguf) {
     case kQ4K: token_passes<Rows<kQ4K>>(a); break;
     case kQ5K: token_passes<Rows<kQ5K>>(a); break;
-    default: token_passes<Rows<kQ6K>>(a); break;
+    case kQ6K: token_passes<Rows<kQ6K>>(a); break;
+    case kQ80: token_passes<Rows<kQ80>>(a); break;
+    default: token_passes<Rows<kMxfp4Gguf>>(a); break;
   }
 }
 }  // namespace avx512vnni
@@ -607,25 +732,59 @@ void rows_q8(const GemvArgs& a, int t0) {
   }
 }
 
+// q8_0 / mxfp4_gguf: one 32-value block per vector; vpsignb puts w's sign on the inputs, vpmaddubsw makes
+// int16 pairs of |w| times them (at most 2 * 128 * 127: no saturation), vpmaddwd by ones int32 lanes, which
+// take the block's scale times the input block's d.
+template <int TYPE, int NT>
+void rows_q8_32(const GemvArgs& a, int t0) {
+  constexpr int bb = kGgufBytes[TYPE];
+  const int nb = a.K / 32;
+  const Q8Block* x[NT];
+  for (int t = 0; t < NT; ++t) x[t] = static_cast<const Q8Block*>(a.X[t0 + t]);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < a.nrows; ++r) {
+    const uint8_t* row = static_cast<const uint8_t*>(a.W) + r * a.ldb;
+    __m256 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+    for (int blk = 0; blk < nb; ++blk) {
+      const uint8_t* bp = row + blk * bb;
+      _mm_prefetch(reinterpret_cast<const char*>(bp) + 1024, _MM_HINT_T1);
+      const __m256i w = block32_quants<TYPE>(bp), aw = _mm256_abs_epi8(w);
+      const float dw = block32_scale<TYPE>(bp);
+      for (int t = 0; t < NT; ++t) {
+        const Q8Block& xb = x[t][blk / 8];
+        const __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(xb.q + 32 * (blk % 8)));
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w)), ones);
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * xb.d), acc[t]);
+      }
+    }
+    for (int t = 0; t < NT; ++t) store(a, r, t0 + t, hsum(acc[t]));
+  }
+}
+
 template <int TYPE>
 struct Rows {
   template <int NT>
-  static void run(const GemvArgs& a, int t0) { rows_q8<TYPE, NT>(a, t0); }
+  static void run(const GemvArgs& a, int t0) {
+    if constexpr (kGgufQk[TYPE] == 32) rows_q8_32<TYPE, NT>(a, t0);
+    else rows_q8<TYPE, NT>(a, t0);
+  }
 };
 
 void gemv_gguf_q8(const GemvArgs& a) {
   switch (a.gguf) {
     case kQ4K: token_passes<Rows<kQ4K>>(a); break;
     case kQ5K: token_passes<Rows<kQ5K>>(a); break;
-    default: token_passes<Rows<kQ6K>>(a); break;
+    case kQ6K: token_passes<Rows<kQ6K>>(a); break;
+    case kQ80: token_passes<Rows<kQ80>>(a); break;
+    default: token_passes<Rows<kMxfp4Gguf>>(a); break;
   }
 }
 
 // mxfp4_gguf 8 values at a time: the e2m1 magnitude by an 8-entry permute, the sign bit moved into place
 // (the plain decoder's 16-entry table lookup does not vectorize)
 TANDEM_INLINE void decode_mxfp4_8(const uint8_t* b, float* out) {
-  const uint32_t e = b[0];
-  const __m256 half = _mm256_set1_ps(bits_f32(e < 2 ? 0x00200000u << e : (e - 1) << 23));
+  const __m256 half = _mm256_set1_ps(mxfp4_half(b));
   const __m256 mag = _mm256_loadu_ps(kE2m1x2);  // entries 0..7: twice the e2m1 magnitudes
   for (int c = 0; c < 4; ++c) {  // values 8c ..: low nibbles of bytes 1 + 8c .. for c < 2, high ones after
     const __m256i byte = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 1 + 8 * (c % 2))));
