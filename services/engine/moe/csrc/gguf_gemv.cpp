@@ -192,6 +192,28 @@ __attribute__((target("avx2,f16c"))) TANDEM_INLINE float block32_scale(const uin
   else return mxfp4_half(b);
 }
 
+// q8_0 / mxfp4_gguf: the scales of n <= 8 consecutive 32-value blocks at bp in lanes 0..n-1 (the higher lanes
+// finite: they meet zero quants), gathered by scalar loads into one vector (a gather is slower here)
+template <int TYPE>
+__attribute__((target("avx2,f16c"))) TANDEM_INLINE __m256 block32_scales(const uint8_t* bp, int n) {
+  constexpr int bb = kGgufBytes[TYPE];
+  uint64_t v[2] = {0, 0};
+  if constexpr (TYPE == kQ80) {  // fp16 d, four to a word
+    for (int i = 0; i < n; ++i) {
+      uint16_t h;
+      std::memcpy(&h, bp + bb * i, 2);
+      v[i / 4] |= uint64_t{h} << (16 * (i % 4));
+    }
+    return _mm256_cvtph_ps(_mm_set_epi64x(static_cast<int64_t>(v[1]), static_cast<int64_t>(v[0])));
+  } else {  // mxfp4_half of each E8M0 byte: (e - 1) << 23, the subnormals 0x00200000 << e for e < 2
+    for (int i = 0; i < n; ++i) v[0] |= uint64_t{bp[bb * i]} << (8 * i);
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(v[0])));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+  }
+}
+
 constexpr int kTok = 8;  // tokens per pass over a row's blocks (their accumulators stay in registers)
 
 // A kernel's passes over its rows, kTok tokens at a time: Rows::template run<NT>(a, t0), the pass's token
@@ -523,28 +545,6 @@ void rows_q8(const GemvArgs& a, int t0) {
   }
 }
 
-// q8_0 / mxfp4_gguf: the scales of n <= 8 consecutive 32-value blocks at bp in lanes 0..n-1 (the higher lanes
-// finite: they meet zero quants), gathered by scalar loads into one vector (a gather is slower here)
-template <int TYPE>
-TANDEM_INLINE __m256 block32_scales(const uint8_t* bp, int n) {
-  constexpr int bb = kGgufBytes[TYPE];
-  uint64_t v[2] = {0, 0};
-  if constexpr (TYPE == kQ80) {  // fp16 d, four to a word
-    for (int i = 0; i < n; ++i) {
-      uint16_t h;
-      std::memcpy(&h, bp + bb * i, 2);
-      v[i / 4] |= uint64_t{h} << (16 * (i % 4));
-    }
-    return _mm256_cvtph_ps(_mm_set_epi64x(static_cast<int64_t>(v[1]), static_cast<int64_t>(v[0])));
-  } else {  // mxfp4_half of each E8M0 byte: (e - 1) << 23, the subnormals 0x00200000 << e for e < 2
-    for (int i = 0; i < n; ++i) v[0] |= uint64_t{bp[bb * i]} << (8 * i);
-    const __m256i e = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(v[0])));
-    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
-    const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
-    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
-  }
-}
-
 // Two 32-value blocks at p (the second only if `two`, else zeros) as |w| in value order and w's sign mask
 template <int TYPE>
 TANDEM_INLINE void pair_quants(const uint8_t* p, bool two, __m512i& aw, __mmask64& neg) {
@@ -734,30 +734,43 @@ void rows_q8(const GemvArgs& a, int t0) {
 
 // q8_0 / mxfp4_gguf: one 32-value block per vector; vpsignb puts w's sign on the inputs, vpmaddubsw makes
 // int16 pairs of |w| times them (at most 2 * 128 * 127: no saturation), vpmaddwd by ones int32 lanes, which
-// take the block's scale times the input block's d.
+// take the block's scale in one FMA; the input block's d once per input block (n <= 8 blocks: a row's last may
+// hold fewer).
+template <int TYPE, int NT>
+TANDEM_INLINE void q8block_32(const uint8_t* bp, int n, const Q8Block* const* x, int qb, __m256* acc) {
+  constexpr int bb = kGgufBytes[TYPE];
+  const __m256 s8 = block32_scales<TYPE>(bp, n);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 f[NT];
+  for (int t = 0; t < NT; ++t) f[t] = _mm256_setzero_ps();
+  for (int i = 0; i < n; ++i) {
+    const __m256i w = block32_quants<TYPE>(bp + i * bb), aw = _mm256_abs_epi8(w);
+    const __m256 sw = _mm256_permutevar8x32_ps(s8, _mm256_set1_epi32(i));
+    for (int t = 0; t < NT; ++t) {
+      const __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(x[t][qb].q + 32 * i));
+      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w)), ones);
+      f[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sw, f[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_fmadd_ps(f[t], _mm256_set1_ps(x[t][qb].d), acc[t]);
+}
+
 template <int TYPE, int NT>
 void rows_q8_32(const GemvArgs& a, int t0) {
   constexpr int bb = kGgufBytes[TYPE];
-  const int nb = a.K / 32;
+  const int nb = a.K / 32, full = nb / 8;
   const Q8Block* x[NT];
   for (int t = 0; t < NT; ++t) x[t] = static_cast<const Q8Block*>(a.X[t0 + t]);
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int r = 0; r < a.nrows; ++r) {
     const uint8_t* row = static_cast<const uint8_t*>(a.W) + r * a.ldb;
     __m256 acc[NT];
     for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
-    for (int blk = 0; blk < nb; ++blk) {
-      const uint8_t* bp = row + blk * bb;
-      _mm_prefetch(reinterpret_cast<const char*>(bp) + 1024, _MM_HINT_T1);
-      const __m256i w = block32_quants<TYPE>(bp), aw = _mm256_abs_epi8(w);
-      const float dw = block32_scale<TYPE>(bp);
-      for (int t = 0; t < NT; ++t) {
-        const Q8Block& xb = x[t][blk / 8];
-        const __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(xb.q + 32 * (blk % 8)));
-        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w)), ones);
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * xb.d), acc[t]);
-      }
+    for (int qb = 0; qb < full; ++qb) {
+      const uint8_t* bp = row + 8 * qb * bb;
+      for (int o = 0; o < 8 * bb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(bp) + 1024 + o, _MM_HINT_T1);
+      q8block_32<TYPE, NT>(bp, 8, x, qb, acc);
     }
+    if (nb % 8) q8block_32<TYPE, NT>(row + 8 * full * bb, nb % 8, x, full, acc);  // a partial last input block
     for (int t = 0; t < NT; ++t) store(a, r, t0 + t, hsum(acc[t]));
   }
 }
