@@ -4,8 +4,8 @@ gguf-py, + moe_reference), for every ISA this CPU has (the AVX-512 kernel and th
 
 Banks are gguf_quant.quantize of random weights (valid blocks); plain SwiGLU and gpt-oss's (biases, clamp);
 shapes of one block, rows of several blocks, gate rows of one expert split across workers, batches with
-repeated experts; fp32 and bf16 models. A bf16 model's K-quant layers run an int8-input kernel (AVX512-VNNI,
-or AVX2 where the CPU has no VNNI): its reference sees the inputs as gguf_quant.q8_inputs rounds them."""
+repeated experts; fp32 and bf16 models. A bf16 model's layers run an int8-input kernel (AVX512-VNNI, or AVX2
+where the CPU has no VNNI): its reference sees the inputs as gguf_quant.q8_inputs rounds them."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from services.engine.moe.banks import ExpertBanks, LayerBanks
 from services.engine.moe.cpu_executor import CpuExecutor, build_extension
-from services.engine.moe.gguf_quant import KERNEL_CODE, GGUFType, dequantize, q8_inputs, quantize, row_bytes
+from services.engine.moe.gguf_quant import BLOCK, KERNEL_CODE, GGUFType, dequantize, q8_inputs, quantize, row_bytes
 from services.engine.moe.reference import ClampedSwiGLU, moe_reference
 
 Q4, Q5, Q6, Q8, MX = GGUFType.Q4_K, GGUFType.Q5_K, GGUFType.Q6_K, GGUFType.Q8_0, GGUFType.MXFP4
@@ -126,8 +126,14 @@ def test_padded_rows_read_only_their_types_bytes(isa):
 def test_gguf_gpt_oss_math(isa, dtype):
     """Biases (in the model dtype) and the clamped SwiGLU beside mxfp4_gguf banks, as gpt-oss GGUF files hold them."""
     banks, hidden, ids, weights = gguf_case(MX, MX, 3, 4, 6, 96, 64, seed=4, gpt_oss=True, dtype=dtype)
-    out = run(banks, hidden, ids, weights, isa)
-    assert_close(out, reference(banks, hidden, ids, weights, MX, MX))
+    ex = CpuExecutor(banks, num_threads=3, spin_us=50, isa=isa)
+    try:
+        inputs = ex.input_rounding(banks.layers[0].format, dtype)  # a bf16 model's int8 inputs: 1e-2 (below)
+        assert (inputs is q8_inputs) == (dtype == torch.bfloat16 and isa in Q8_ISAS)
+        out = ex.forward(0, hidden, ids, weights)
+    finally:
+        ex.close()
+    assert_close(out, reference(banks, hidden, ids, weights, MX, MX, inputs), atol=1e-2 if inputs else 2e-5)
 
 
 def test_one_value_pins_the_decode():
@@ -185,17 +191,21 @@ def test_loop_counts_gguf_bytes():
     assert jobs >= 1 and nbytes == jobs * 2 * per_expert
 
 
-K_CASES = [  # gate_up type, down type, T, A, E, D, I: a bf16 model's K-quant layers (int8 inputs)
+Q8_CASES = [  # gate_up type, down type, T, A, E, D, I: a bf16 model's layers (int8 inputs)
     (Q4, Q6, 1, 4, 8, 256, 768),  # Q4_K_M's pair, decode; down rows of three blocks
     (Q5, Q4, 5, 3, 6, 512, 512),
     (Q6, Q6, 3, 2, 3, 512, 256),
     (Q4, Q6, 19, 1, 1, 256, 512),  # token passes of 8 and of the rest
+    (MX, MX, 3, 2, 2, 2880, 2880),  # gpt-oss's widths: rows of 11.25 input blocks
+    (Q8, MX, 5, 3, 4, 288, 544),  # partial last input blocks of one 32-value block (an odd count)
+    (Q8, Q6, 2, 2, 3, 2880, 256),  # a 32-value type beside a K-quant
+    (MX, Q8, 10, 1, 1, 96, 32),  # rows shorter than one input block; token passes of 8 and 2
 ]
 
 
 @pytest.mark.parametrize("isa", Q8_ISAS)
-@pytest.mark.parametrize("gt, dt, T, A, E, D, I", K_CASES, ids=lambda v: getattr(v, "value", str(v)))
-def test_bf16_k_quants_take_int8_inputs(gt, dt, T, A, E, D, I, isa):
+@pytest.mark.parametrize("gt, dt, T, A, E, D, I", Q8_CASES, ids=lambda v: getattr(v, "value", str(v)))
+def test_bf16_gguf_takes_int8_inputs(gt, dt, T, A, E, D, I, isa):
     """The executor's int8 inputs (hidden and the SwiGLU output, quantized per 256 values, the latter by
     whichever worker completes a block) match the reference that rounds both GEMVs' inputs with q8_inputs; an
     fp32 model's same banks keep the exact fp32-input kernel. The SwiGLU outputs differ from the reference's
@@ -215,12 +225,20 @@ def test_bf16_k_quants_take_int8_inputs(gt, dt, T, A, E, D, I, isa):
     assert_close(exact, reference(banks, hidden, ids, weights, gt, dt))
 
 
+KERNEL_SHAPES = {  # values per block -> (K, T, pad) rows of the int8-input kernel alone
+    256: ((256, 1, 0), (768, 10, 6), (512, 3, 2)),  # rows of 1..3 blocks
+    # one block; gpt-oss's 2880 (90 blocks: 11 input blocks and a partial one of 2); 91 (a partial one of 3)
+    32: ((32, 1, 0), (2880, 10, 6), (2912, 3, 2), (288, 9, 1)),
+}
+
+
 @pytest.mark.parametrize("isa", Q8_ISAS)
-@pytest.mark.parametrize("qtype", [Q4, Q5, Q6], ids=lambda t: t.value)
+@pytest.mark.parametrize("qtype", list(GGUFType), ids=lambda t: t.value)
 def test_int8_input_kernel_matches_reference(qtype, isa):
-    """The int8-input kernel alone on rows of 1..3 blocks, 1..10 tokens and padded rows: q8_inputs(X) @ W^T."""
+    """The int8-input kernel alone on rows of several blocks (32-value types: rows that end in a partial input
+    block of 256), 1..10 tokens and padded rows: q8_inputs(X) @ W^T."""
     g = torch.Generator().manual_seed(KERNEL_CODE[qtype])
-    for K, T, pad in ((256, 1, 0), (768, 10, 6), (512, 3, 2)):
+    for K, T, pad in KERNEL_SHAPES[BLOCK[qtype][0]]:
         W = pad_rows(quantize(torch.randn(1, 24, K, generator=g) / K ** 0.5, qtype), pad)[0].contiguous()
         X = torch.randn(T, K, generator=g) * torch.rand(T, K, generator=g) ** 4 * 10  # blocks of unlike ranges
         Y = build_extension().gemv_gguf(isa, W, KERNEL_CODE[qtype], X, True)
@@ -251,9 +269,44 @@ def test_int8_inputs_round_half_to_even_in_lane_order(isa):
     torch.testing.assert_close(ext.gemv_gguf(isa, eye6, KERNEL_CODE[Q6], X, True), expect @ w6.T, atol=1e-5, rtol=1e-6)
 
 
+def identity_32(qtype: GGUFType, K: int) -> torch.Tensor:
+    """K rows of q8_0 or mxfp4_gguf blocks that read back value v of the inputs as row v, scale 1 (q8_0: d = 1,
+    q = 1; mxfp4_gguf: E8M0 127 and e2m1 code 2, 2**0 * 1.0)."""
+    bb = BLOCK[qtype][1]
+    rows = torch.zeros(K, K // 32 * bb, dtype=torch.uint8)
+    for v in range(K):
+        b, i = bb * (v // 32), v % 32
+        if qtype is Q8:
+            rows[v, b:b + 2] = torch.tensor([0x00, 0x3C], dtype=torch.uint8)  # fp16 1.0
+            rows[v, b + 2 + i] = 1
+        else:  # value i < 16: the low nibble of byte i, else the high one of byte i - 16
+            rows[v, b] = 127
+            rows[v, b + 1 + i % 16] = 2 << (4 * (i // 16))
+    assert torch.equal(dequantize(rows, qtype, K), torch.eye(K))
+    return rows
+
+
+@pytest.mark.parametrize("isa", Q8_ISAS)
+@pytest.mark.parametrize("qtype", [Q8, MX], ids=lambda t: t.value)
+def test_int8_inputs_of_32_value_blocks_keep_order_and_a_partial_blocks_own_scale(qtype, isa):
+    """Identity q8_0 / mxfp4_gguf rows of 288 values read the int8 inputs back one by one: natural lane order,
+    ties half to even, and the 32 values past the last whole 256 quantized on their own amax (63.5 here: d =
+    0.5, so they come back in halves; the first block's d = 1 would round them to integers)."""
+    x = torch.arange(256, dtype=torch.float32) % 64 - 31.5  # ties at every value, amax 127 (d = 1) ...
+    x[7] = 127.0
+    tail = (torch.arange(32, dtype=torch.float32) - 15.5) / 2  # ... and ties of 2x, amax 63.5 (d = 0.5)
+    tail[3] = 63.5
+    X = torch.stack([torch.cat([x, tail]), -torch.cat([x, tail]), torch.zeros(288)])
+    expect = torch.stack([torch.cat([torch.round(x), torch.round(2 * tail) / 2])] * 2) * torch.tensor([[1.0], [-1.0]])
+    expect = torch.cat([expect, torch.zeros(1, 288)])
+    assert torch.equal(q8_inputs(X), expect) and torch.equal(expect[0, 256:258], torch.tensor([-8.0, -7.0]))
+    Y = build_extension().gemv_gguf(isa, identity_32(qtype, 288), KERNEL_CODE[qtype], X, True)
+    assert torch.equal(Y, expect)
+
+
 def test_every_vector_isa_has_an_int8_input_kernel():
     """The AVX-512 ISAs (the VNNI kernel, or the AVX2 one on AVX-512 CPUs without VNNI) and AVX2 carry an
-    int8-input K-quant kernel, so the forced-ISA cases above cover both kernels on this project's CI machine;
+    int8-input kernel of every GGUF type, so the forced-ISA cases above cover both kernels on this project's CI machine;
     the scalar ISA keeps the fp32-input kernel."""
     assert Q8_ISAS == [isa for isa in ISAS if isa != "scalar"]
     assert "avx2" in Q8_ISAS and "scalar" in ISAS and "scalar" not in Q8_ISAS
