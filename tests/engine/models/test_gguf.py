@@ -193,13 +193,15 @@ def test_every_backend_greedy_equals_transformers(arch, backend, cases, loaded, 
     assert len(set(ours)) > 1
 
 
-def test_bfloat16_cpu_experts_take_int8_inputs(cases):
-    """A bf16 model's K-quant experts on the CPU executor (the cpu backend's misses) run the int8-input kernel
+# every expert type: Q4_K_M's pair; q5_K + q6_K and q8_0; gpt-oss's mxfp4_gguf rows of 64 (a partial input block)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "gpt_oss"])
+def test_bfloat16_cpu_experts_take_int8_inputs(arch, cases):
+    """A bf16 model's GGUF experts on the CPU executor (the cpu backend's misses) run the int8-input kernel
     (gguf_quant.q8_inputs; any CPU with AVX2): through the engine's layers, a decode step's logits
     stay as close to the fp32 reference as bf16's own rounding puts the resident path."""
-    path = str(cases["qwen3_moe"].path)
+    path = str(cases[arch].path)
     lm = load_model(EngineConfig(model=path, dtype="bfloat16"), attach_backend=False)
-    ref = hf_last_logits(cases["qwen3_moe"].ref, PROMPT)
+    ref = hf_last_logits(cases[arch].ref, PROMPT)
     errors = {}
     for backend in ("resident", "cpu"):
         slots = {} if backend == "resident" else {"moe_cache_size": lm.spec.top_k}  # the cpu backend's misses
