@@ -170,7 +170,10 @@ constexpr int q8_lane(int type, int v) {
 }
 
 // q8_0 / mxfp4_gguf against int8 inputs: a 32-value block's quants as signed int8 in value order (mxfp4_gguf:
-// twice the e2m1 values, the integers 0..12 and their negatives, by a 16-entry byte shuffle) ...
+// twice the e2m1 values, the integers 0..12 and their negatives, by a 16-entry byte shuffle; its scale is then
+// half the E8M0 one, as in decode_mxfp4). Their products with the inputs' int8 are signed x signed; vpdpbusd /
+// vpmaddubsw take unsigned x signed, so the kernels multiply |w| with x carrying w's sign (exact: |w| <= 128,
+// |x| <= 127).
 template <int TYPE>
 __attribute__((target("avx2,f16c"))) TANDEM_INLINE __m256i block32_quants(const uint8_t* b) {
   if constexpr (TYPE == kQ80) {
@@ -183,17 +186,8 @@ __attribute__((target("avx2,f16c"))) TANDEM_INLINE __m256i block32_quants(const 
     return _mm256_shuffle_epi8(e2m1x2, v);
   }
 }
-// ... and the scale of those integers: q8_0's d, mxfp4_gguf's half E8M0 scale. Their products with the
-// inputs' int8 are signed x signed; vpdpbusd / vpmaddubsw take unsigned x signed, so the kernels multiply
-// |w| with x carrying w's sign (exact: |w| <= 128, |x| <= 127).
-template <int TYPE>
-__attribute__((target("avx2,f16c"))) TANDEM_INLINE float block32_scale(const uint8_t* b) {
-  if constexpr (TYPE == kQ80) return f16c_to_f32(b);
-  else return mxfp4_half(b);
-}
-
-// q8_0 / mxfp4_gguf: the scales of n <= 8 consecutive 32-value blocks at bp in lanes 0..n-1 (the higher lanes
-// finite: they meet zero quants), gathered by scalar loads into one vector (a gather is slower here)
+// ... and the scales of n <= 8 consecutive 32-value blocks at bp in lanes 0..n-1 (the higher lanes
+// finite: they meet zero quants), read by scalar loads into one vector once per input block
 template <int TYPE>
 __attribute__((target("avx2,f16c"))) TANDEM_INLINE __m256 block32_scales(const uint8_t* bp, int n) {
   constexpr int bb = kGgufBytes[TYPE];
@@ -554,7 +548,8 @@ TANDEM_INLINE void pair_quants(const uint8_t* p, bool two, __m512i& aw, __mmask6
                                          two ? block32_quants<TYPE>(p + bb) : _mm256_setzero_si256(), 1);
     aw = _mm512_abs_epi8(w);
     neg = _mm512_movepi8_mask(w);
-  } else {  // the 16 nibble bytes of each block, low nibbles (values 0..15) then high ones (16..31) per block
+  } else {  // the 16 nibble bytes of each block, low nibbles (values 0..15) then high ones (16..31) per block;
+    // the magnitudes by shuffle and the sign from the nibble's bit 3 (block32_quants' table, without its abs)
     const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 1));
     const __m256i ab = two ? _mm256_inserti128_si256(_mm256_castsi128_si256(a), _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + bb + 1)), 1)
                            : _mm256_zextsi128_si256(a);
