@@ -40,6 +40,14 @@ def _f16(p, mask):
 
 
 @triton.jit
+def _f16_at(p, mask, ALIGN: tl.constexpr):
+    """The fp16 at byte pointers p, each a multiple of ALIGN -> fp32: one 16-bit load where ALIGN allows it."""
+    if ALIGN == 1:
+        return _f16(p, mask)
+    return tl.load(p.to(tl.pointer_type(tl.uint16)), mask=mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def gguf_values(row_ptr, k, mask, QT: tl.constexpr):
     """fp32 weights at value indices k of the GGUF rows at row_ptr (broadcast together), 0 where ~mask."""
     if QT == 4:  # q8_0: d fp16 · q int8[32]
@@ -94,69 +102,118 @@ def _k4_scale_min(sp, j, m3):
 
 
 @triton.jit
-def gguf_row_dot(rows, mask_r, x_ptr, K, QT: tl.constexpr, BLOCK_R: tl.constexpr):
+def _word(p, mask, ALIGN: tl.constexpr):
+    """The little-endian uint32 at byte pointers p, each a multiple of ALIGN (4, 2 or 1) -> uint32: one 32-bit
+    load, two 16-bit or four byte loads (on the GPU a load wider than its address's alignment faults)."""
+    if ALIGN == 4:
+        return tl.load(p.to(tl.pointer_type(tl.uint32)), mask=mask, other=0)
+    elif ALIGN == 2:
+        h = p.to(tl.pointer_type(tl.uint16))
+        return tl.load(h, mask=mask, other=0).to(tl.uint32) | (tl.load(h + 1, mask=mask, other=0).to(tl.uint32) << 16)
+    else:
+        return (tl.load(p, mask=mask, other=0).to(tl.uint32) | (tl.load(p + 1, mask=mask, other=0).to(tl.uint32) << 8)
+                | (tl.load(p + 2, mask=mask, other=0).to(tl.uint32) << 16)
+                | (tl.load(p + 3, mask=mask, other=0).to(tl.uint32) << 24))
+
+
+@triton.jit
+def _half_f32(w, HIGH: tl.constexpr):
+    """The fp16 in the low (or HIGH) 16 bits of uint32 words w -> fp32."""
+    bits = (w >> 16) if HIGH else (w & 0xFFFF)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _k4_scale_min_words(s0, s1, s2, j):
+    """q4_K / q5_K 6-bit (scale, min) of sub-blocks j (int tensor) from the 12 scale bytes held in the words
+    s0, s1, s2 (uint32) -> fp32 (sc, m): byte j % 4 of each, unpacked as _k4_scale_min."""
+    sh = (8 * (j % 4)).to(tl.uint32)
+    a = (s0 >> sh) & 255
+    b = (s1 >> sh) & 255
+    c = (s2 >> sh) & 255
+    sc = tl.where(j < 4, a & 63, (c & 15) | ((a >> 6) << 4)).to(tl.float32)
+    mn = tl.where(j < 4, b & 63, (c >> 4) | ((b >> 6) << 4)).to(tl.float32)
+    return sc, mn
+
+
+@triton.jit
+def gguf_row_dot(rows, mask_r, x_ptr, K, QT: tl.constexpr, BLOCK_R: tl.constexpr, ALIGN: tl.constexpr):
     """sum over k < K of W[r, k] * x[k] for the GGUF rows at ``rows`` ([BLOCK_R] uint8 pointers) -> [BLOCK_R]
-    fp32: the GEMV's form of gguf_values. Per 256 values (a K-quant block, or 8 q8_0 / mxfp4 blocks) each
-    quant byte is loaded once and split into both its values, a sub-block's scale is factored out of its
-    sum (sum (s q - o) x = s sum q x - o sum x), and the block header is loaded once per row, not per value."""
+    fp32: the GEMV's form of gguf_values. ALIGN (4, 2 or 1) divides every row's address (the launcher's
+    check): the K-quants load their bytes as 32-bit words (16-bit or bytes where only that alignment holds;
+    q6_K's 210-byte blocks are 2-aligned at best) and take a word's nibbles with shifts and masks. Per 256
+    values (a K-quant block, or 8 q8_0 / mxfp4 blocks) each quant byte is loaded once and split into both its
+    values, a sub-block's scale is applied to its partial sum (sum (s q - o) x = s sum q x - o sum x), the
+    block header is loaded once per row, and the K-quants keep one partial sum per word lane, so the only
+    cross-thread sum is the last one."""
     r3 = rows[:, None, None]
     m3 = mask_r[:, None, None]
     if QT == 1 or QT == 2:  # q4_K / q5_K: byte 32g + l of qs holds values 64g + l (low) and 64g + 32 + l (high)
         BPB: tl.constexpr = 144 if QT == 1 else 176
         QS: tl.constexpr = 16 if QT == 1 else 48
-        g = tl.arange(0, 4)
-        v = tl.arange(0, 32)
-        acc = tl.zeros([BLOCK_R, 4], dtype=tl.float32)
+        g = tl.arange(0, 4)[None, :, None]  # [1, 4, 1] group of 32 qs bytes: sub-blocks 2g (low) and 2g + 1
+        w = tl.arange(0, 8)[None, None, :]  # [1, 1, 8] word of the group: bytes l = 4w + b
+        acc = tl.zeros([BLOCK_R, 4, 8], dtype=tl.float32)
         for blk in range(0, K // 256):
-            base = r3 + blk * BPB
-            xo = blk * 256 + g[:, None] * 64 + v[None, :]  # [4, 32] values 64g + l
-            x_lo = tl.load(x_ptr + xo).to(tl.float32)
-            x_hi = tl.load(x_ptr + xo + 32).to(tl.float32)
-            qb = _byte(base + QS + (g[:, None] * 32 + v[None, :])[None, :, :], m3)  # [R, 4, 32]
-            lo = qb & 15
-            hi = qb >> 4
-            if QT == 2:  # the fifth bit: bit j of qh[l] for sub-block j (2g low nibbles, 2g + 1 high)
-                qh = _byte(base + 16 + v[None, None, :], m3)  # [R, 1, 32]
-                lo |= ((qh >> (2 * g)[None, :, None]) & 1) << 4
-                hi |= ((qh >> (2 * g + 1)[None, :, None]) & 1) << 4
-            dq_lo = tl.sum(lo.to(tl.float32) * x_lo[None, :, :], axis=2)  # [R, 4]
-            dq_hi = tl.sum(hi.to(tl.float32) * x_hi[None, :, :], axis=2)
-            hb = rows[:, None] + blk * BPB  # [R, 1] block headers
-            m2 = mask_r[:, None]
-            d = _f16(hb, m2)
-            dmin = _f16(hb + 2, m2)
-            sc_lo, mn_lo = _k4_scale_min(hb + 4, 2 * g[None, :], m2)  # [R, 4] sub-blocks 2g
-            sc_hi, mn_hi = _k4_scale_min(hb + 4, 2 * g[None, :] + 1, m2)  # sub-blocks 2g + 1
-            acc += ((d * sc_lo) * dq_lo - (dmin * mn_lo) * tl.sum(x_lo, axis=1)[None, :]
-                    + (d * sc_hi) * dq_hi - (dmin * mn_hi) * tl.sum(x_hi, axis=1)[None, :])
-        return tl.sum(acc, axis=1)
-    elif QT == 3:  # q6_K: group G of 16 values (G < 8): ql bytes 16G + w hold values 128h + 16u + w (low
-        # nibble) and +64 (high), h = G // 4, u = G % 4; their 2-bit highs in qh[32h + 16(u % 2) + w]
-        G = tl.arange(0, 8)
-        w = tl.arange(0, 16)
-        h = G // 4
-        u = G % 4
-        acc = tl.zeros([BLOCK_R, 8], dtype=tl.float32)
+            base = r3 + blk * BPB  # [R, 1, 1]; BPB is a multiple of 4: blocks keep the rows' alignment
+            dd = _word(base, m3, ALIGN)  # d, dmin
+            s0 = _word(base + 4, m3, ALIGN)  # the 12 scale bytes
+            s1 = _word(base + 8, m3, ALIGN)
+            s2 = _word(base + 12, m3, ALIGN)
+            qw = _word(base + QS + 32 * g + 4 * w, m3, ALIGN)  # [R, 4, 8]
+            if QT == 2:  # the fifth bit: bit j of qh[l] for sub-block j
+                qh = _word(base + 16 + 4 * w, m3, ALIGN)  # [R, 1, 8]
+            xo = x_ptr + blk * 256 + 64 * g + 4 * w  # [1, 4, 8] value 64g + 4w of the block
+            dq_lo = tl.zeros([BLOCK_R, 4, 8], dtype=tl.float32)
+            dq_hi = tl.zeros([BLOCK_R, 4, 8], dtype=tl.float32)
+            xs_lo = tl.zeros([1, 4, 8], dtype=tl.float32)
+            xs_hi = tl.zeros([1, 4, 8], dtype=tl.float32)
+            for b in tl.static_range(4):
+                x_lo = tl.load(xo + b).to(tl.float32)
+                x_hi = tl.load(xo + 32 + b).to(tl.float32)
+                q_lo = (qw >> (8 * b)) & 15
+                q_hi = (qw >> (8 * b + 4)) & 15
+                if QT == 2:
+                    q_lo |= ((qh >> (8 * b + 2 * g).to(tl.uint32)) & 1) << 4
+                    q_hi |= ((qh >> (8 * b + 2 * g + 1).to(tl.uint32)) & 1) << 4
+                dq_lo += q_lo.to(tl.float32) * x_lo
+                dq_hi += q_hi.to(tl.float32) * x_hi
+                xs_lo += x_lo
+                xs_hi += x_hi
+            d = _half_f32(dd, False)  # [R, 1, 1]
+            dmin = _half_f32(dd, True)
+            sc_lo, mn_lo = _k4_scale_min_words(s0, s1, s2, 2 * g)  # [R, 4, 1]
+            sc_hi, mn_hi = _k4_scale_min_words(s0, s1, s2, 2 * g + 1)
+            acc += ((d * sc_lo) * dq_lo - (dmin * mn_lo) * xs_lo + (d * sc_hi) * dq_hi - (dmin * mn_hi) * xs_hi)
+        return tl.sum(tl.sum(acc, axis=2), axis=1)
+    elif QT == 3:  # q6_K, half h of a block (128 values), byte l < 32 of a 32-byte run: ql[64h + l] holds values
+        # 128h + l (low nibble) and + 64 (high), ql[64h + 32 + l] values + 32 and + 96, qh[32h + l] their 2-bit
+        # highs (bits 2s for value 128h + 32s + l), whose scale is scales[8h + 2s + l // 16]
+        A6: tl.constexpr = 2 if ALIGN == 4 else ALIGN  # odd blocks start 2 bytes past a multiple of 4
+        h = tl.arange(0, 2)[None, :, None]  # [1, 2, 1]
+        w = tl.arange(0, 8)[None, None, :]  # [1, 1, 8] word of the run: bytes l = 4w + b
+        acc = tl.zeros([BLOCK_R, 2, 8], dtype=tl.float32)
         for blk in range(0, K // 256):
             base = r3 + blk * 210
-            xo = blk * 256 + (128 * h + 16 * u)[:, None] + w[None, :]  # [8, 16]
-            x_lo = tl.load(x_ptr + xo).to(tl.float32)
-            x_hi = tl.load(x_ptr + xo + 64).to(tl.float32)
-            ql = _byte(base + (16 * G[:, None] + w[None, :])[None, :, :], m3)  # [R, 8, 16]
-            qh = _byte(base + (128 + 32 * h[:, None] + 16 * (u % 2)[:, None] + w[None, :])[None, :, :], m3)
-            shift = (2 * (u // 2))[None, :, None]
-            q_lo = ((ql & 15) | (((qh >> shift) & 3) << 4)) - 32
-            q_hi = ((ql >> 4) | (((qh >> (shift + 4)) & 3) << 4)) - 32
-            dq_lo = tl.sum(q_lo.to(tl.float32) * x_lo[None, :, :], axis=2)  # [R, 8]
-            dq_hi = tl.sum(q_hi.to(tl.float32) * x_hi[None, :, :], axis=2)
-            hb = rows[:, None] + blk * 210
-            m2 = mask_r[:, None]
-            d = _f16(hb + 208, m2)  # [R, 1]
-            sidx = (8 * h + u)[None, :]  # [1, 8] the low values' scales; the high ones' are 4 further
-            sc_lo = tl.load(hb + 192 + sidx, mask=m2, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-            sc_hi = tl.load(hb + 196 + sidx, mask=m2, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-            acc += (d * sc_lo) * dq_lo + (d * sc_hi) * dq_hi
-        return tl.sum(acc, axis=1)
+            ql_a = _word(base + 64 * h + 4 * w, m3, A6)  # [R, 2, 8]
+            ql_b = _word(base + 64 * h + 32 + 4 * w, m3, A6)
+            qh = _word(base + 128 + 32 * h + 4 * w, m3, A6)
+            sw_a = _word(base + 192 + 8 * h, m3, A6)  # [R, 2, 1] scales 8h .. 8h + 3
+            sw_b = _word(base + 196 + 8 * h, m3, A6)  # 8h + 4 .. 8h + 7
+            xo = x_ptr + blk * 256 + 128 * h + 4 * w  # [1, 2, 8]
+            part = tl.zeros([BLOCK_R, 2, 8], dtype=tl.float32)
+            for s in tl.static_range(4):
+                ql = ql_a if s % 2 == 0 else ql_b
+                dq = tl.zeros([BLOCK_R, 2, 8], dtype=tl.float32)
+                for b in tl.static_range(4):
+                    q = ((ql >> (8 * b + 4 * (s // 2))) & 15) | (((qh >> (8 * b + 2 * s)) & 3) << 4)
+                    dq += (q.to(tl.int32) - 32).to(tl.float32) * tl.load(xo + 32 * s + b).to(tl.float32)
+                sw = sw_a if s < 2 else sw_b
+                sc = (sw >> (8 * (2 * (s % 2) + w // 4)).to(tl.uint32)) & 255  # [R, 2, 8] byte 2s + w // 4 of the 8
+                part += sc.to(tl.uint8).to(tl.int8, bitcast=True).to(tl.float32) * dq
+            d = _f16_at(base + 208, m3, A6)  # [R, 1, 1] the fp16 d ends the block
+            acc += d * part
+        return tl.sum(tl.sum(acc, axis=2), axis=1)
     elif QT == 4:  # q8_0: 8 blocks of 32 values a step
         b = tl.arange(0, 8)
         v = tl.arange(0, 32)

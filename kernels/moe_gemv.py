@@ -42,11 +42,14 @@ reference is gguf_quant.dequantize + moe_reference (tests/kernels/test_moe_gguf.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels.gguf_dequant import gguf_geometry, gguf_row_dot
+from services.engine.moe.gguf_quant import GGUFType
 
 # Kernel 1 programs: (route, BLOCK_I rows of gate and of up). Qwen3-30B-A3B (I=768, D=2048), R=8:
 # 384 programs of 128 KiB of bf16 weights each — enough in flight to stream HBM on 132 SMs.
@@ -55,6 +58,22 @@ BLOCK_I, BLOCK_K1 = 16, 256
 BLOCK_D, BLOCK_K2 = 32, 256
 # Combine programs: (token, BLOCK_C outputs), each summing A fp32 rows (tiny: T*A*D*4 bytes in all).
 BLOCK_C = 256
+
+
+@dataclass(frozen=True)
+class RowLaunch:
+    """How a GEMV kernel is launched on GGUF banks: ``rows`` per program (kernel 1: rows of gate and of up;
+    kernel 2: output rows) and ``num_warps``."""
+
+    rows: int
+    num_warps: int = 4
+
+
+# GGUF banks: type -> (kernel 1's launch when gate_up is of that type, kernel 2's when down is). A tuning table:
+# python -m benchmarks.bench_moe_gemm --gguf TYPES --gemv-sweep times the candidates on a device.
+GGUF_LAUNCH: dict[GGUFType, tuple[RowLaunch, RowLaunch]] = {
+    t: (RowLaunch(BLOCK_I), RowLaunch(BLOCK_D)) for t in GGUFType
+}
 
 
 SCALE_BLOCK = 128  # fp8_block: the edge of a scale's block (fp8.BLOCK)
@@ -119,7 +138,7 @@ def _gate_up_act_kernel(
     stride_x, stride_ge, stride_gr, stride_act, stride_gse, stride_gsr, stride_gbe,
     # meta
     BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr, SB: tl.constexpr,
-    BIAS: tl.constexpr, CLAMP: tl.constexpr, QT: tl.constexpr,
+    BIAS: tl.constexpr, CLAMP: tl.constexpr, QT: tl.constexpr, ALIGN: tl.constexpr,
 ):
     r = tl.program_id(0)
     offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I] rows of gate (and of up)
@@ -138,8 +157,8 @@ def _gate_up_act_kernel(
                                 D // 2, BLOCK_I, BLOCK_K // 2)
         elif QUANT == 3:  # GGUF: gate's rows and up's (I rows further), blocks decoded in registers
             rows = base + offs_i.to(tl.int64) * stride_gr  # [BLOCK_I] row pointers
-            acc_g = gguf_row_dot(rows, mask_i, x_ptr + t * stride_x, D, QT, BLOCK_I)
-            acc_u = gguf_row_dot(rows + I * stride_gr, mask_i, x_ptr + t * stride_x, D, QT, BLOCK_I)
+            acc_g = gguf_row_dot(rows, mask_i, x_ptr + t * stride_x, D, QT, BLOCK_I, ALIGN)
+            acc_u = gguf_row_dot(rows + I * stride_gr, mask_i, x_ptr + t * stride_x, D, QT, BLOCK_I, ALIGN)
         else:
             for k0 in range(0, D, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -179,7 +198,7 @@ def _down_kernel(
     stride_act, stride_de, stride_dr, stride_y, stride_dse, stride_dsr, stride_dbe,
     # meta
     BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr, SB: tl.constexpr, BIAS: tl.constexpr,
-    QT: tl.constexpr,
+    QT: tl.constexpr, ALIGN: tl.constexpr,
 ):
     r = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D] output rows
@@ -192,7 +211,8 @@ def _down_kernel(
             acc = _mx_row_dot(base, ds_ptr + e.to(tl.int64) * stride_dse, offs_d, mask_d, stride_dr, stride_dsr,
                               act_ptr + r * stride_act, I // 2, BLOCK_D, BLOCK_K // 2)
         elif QUANT == 3:  # GGUF rows of I values
-            acc = gguf_row_dot(base + offs_d.to(tl.int64) * stride_dr, mask_d, act_ptr + r * stride_act, I, QT, BLOCK_D)
+            acc = gguf_row_dot(base + offs_d.to(tl.int64) * stride_dr, mask_d, act_ptr + r * stride_act, I, QT, BLOCK_D,
+                               ALIGN)
         else:
             for k0 in range(0, I, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -237,7 +257,8 @@ def _check_scales(gate_up_scale, down_scale, want_gu, want_d, what: str, layout:
 def moe_gemv(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
              gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
              down_scale: torch.Tensor | None = None, act=None,
-             bias: tuple[torch.Tensor, torch.Tensor] | None = None, gguf_types=None) -> torch.Tensor:
+             bias: tuple[torch.Tensor, torch.Tensor] | None = None, gguf_types=None,
+             gguf_launch: tuple[RowLaunch, RowLaunch] | None = None) -> torch.Tensor:
     """hidden [T, D] · topk_ids [T, A] int (-1 = skip) · topk_weights [T, A] · gate_up [E, 2I, D] ·
     down [E, D, I] -> [T, D] in hidden's dtype (fp32 accumulation). Same contract as moe_reference.
     FP8 banks: gate_up and down float8_e4m3fn with gate_up_scale [E, 2*ceil(I/128), ceil(D/128)] and
@@ -245,12 +266,13 @@ def moe_gemv(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     MXFP4 banks (told apart by their uint8 weights): gate_up [E, 2I, D/2] and down [E, D, I/2] packed
     e2m1, gate_up_scale [E, 2I, D/32] and down_scale [E, D, I/32] uint8 E8M0 (D and I multiples of 32).
     GGUF banks (``gguf_types`` = (gate_up's, down's) GGUFType or its value, e.g. ("q4_K", "q6_K"); no
-    scales): gate_up [E, 2I, >= row_bytes(D)], down [E, D, >= row_bytes(I)] uint8 in the file's blocks.
+    scales): gate_up [E, 2I, >= row_bytes(D)], down [E, D, >= row_bytes(I)] uint8 in the file's blocks;
+    ``gguf_launch`` (kernel 1's, kernel 2's RowLaunch) replaces GGUF_LAUNCH's entries (the benchmark's sweep).
     gpt-oss experts: ``act`` a ClampedSwiGLU (its alpha and limit are read), ``bias`` (gate_up_bias [E, 2I],
     down_bias [E, D])."""
     T, A = topk_ids.shape
     if gguf_types is not None:
-        return _moe_gemv_gguf(hidden, topk_ids, topk_weights, gate_up, down, act, bias, gguf_types)
+        return _moe_gemv_gguf(hidden, topk_ids, topk_weights, gate_up, down, act, bias, gguf_types, gguf_launch)
     if gate_up.dtype == torch.uint8 and gate_up_scale is None:  # never guessed from the shape: rows may be padded
         raise ValueError("moe_gemv: uint8 banks without scales are GGUF banks: pass gguf_types (MXFP4 banks: "
                          "their gate_up_scale / down_scale)")
@@ -285,9 +307,10 @@ def moe_gemv(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
 
 
 def _launch(hidden, topk_ids, topk_weights, gate_up, down, act, bias, D: int, I: int, quant: int, scales=None,
-            nb: int = 0, qts: tuple[int, int] = (0, 0)) -> torch.Tensor:
+            nb: int = 0, qts: tuple[int, int] = (0, 0),
+            launch: tuple[RowLaunch, RowLaunch] = (RowLaunch(BLOCK_I), RowLaunch(BLOCK_D))) -> torch.Tensor:
     """The three kernels of moe_gemv on checked banks: ``scales`` (gate_up's, down's) for FP8 / MXFP4, ``qts``
-    the two banks' GGUF type codes (QUANT=GGUF)."""
+    the two banks' GGUF type codes (QUANT=GGUF), ``launch`` kernel 1's and kernel 2's rows per program and warps."""
     T, A = topk_ids.shape
     E = gate_up.shape[0]
     if bias is not None and (tuple(bias[0].shape) != (E, 2 * I) or tuple(bias[1].shape) != (E, D)
@@ -304,20 +327,29 @@ def _launch(hidden, topk_ids, topk_weights, gate_up, down, act, bias, D: int, I:
     R = ids.numel()
     inter = torch.empty((R, I), dtype=torch.float32, device=hidden.device)  # [R, I] activations
     y = torch.empty((R, D), dtype=torch.float32, device=hidden.device)  # [R, D]
-    _gate_up_act_kernel[(R, triton.cdiv(I, BLOCK_I))](
+    l1, l2 = launch
+    _gate_up_act_kernel[(R, triton.cdiv(I, l1.rows))](
         hidden, ids, gate_up, inter, gs, gb,
         A, D, I, nb, float(act.alpha) if act is not None else 0.0, float(act.limit) if act is not None else 0.0,
         hidden.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0), *gss, gb.stride(0),
-        BLOCK_I=BLOCK_I, BLOCK_K=BLOCK_K1, QUANT=quant, SB=SCALE_BLOCK, BIAS=bias is not None, CLAMP=act is not None,
-        QT=qts[0],
+        BLOCK_I=l1.rows, BLOCK_K=BLOCK_K1, QUANT=quant, SB=SCALE_BLOCK, BIAS=bias is not None, CLAMP=act is not None,
+        QT=qts[0], ALIGN=row_alignment(gate_up) if quant == GGUF else 1, num_warps=l1.num_warps,
     )
-    _down_kernel[(R, triton.cdiv(D, BLOCK_D))](
+    _down_kernel[(R, triton.cdiv(D, l2.rows))](
         inter, ids, weights, down, y, ds, db,
         D, I,
         inter.stride(0), down.stride(0), down.stride(1), y.stride(0), *dss, db.stride(0),
-        BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K2, QUANT=quant, SB=SCALE_BLOCK, BIAS=bias is not None, QT=qts[1],
+        BLOCK_D=l2.rows, BLOCK_K=BLOCK_K2, QUANT=quant, SB=SCALE_BLOCK, BIAS=bias is not None, QT=qts[1],
+        ALIGN=row_alignment(down) if quant == GGUF else 1, num_warps=l2.num_warps,
     )
     return _combine(y, T, A, D, hidden.dtype)
+
+
+def row_alignment(bank: torch.Tensor) -> int:
+    """The largest of 4, 2, 1 that divides the address of every row of a uint8 bank [E, rows, bytes] (its base
+    address and its two outer strides): the widest load gguf_row_dot may use at a row's word offsets."""
+    bits = bank.data_ptr() | bank.stride(0) | bank.stride(1)
+    return 4 if bits % 4 == 0 else 2 if bits % 2 == 0 else 1
 
 
 def _combine(y: torch.Tensor, T: int, A: int, D: int, dtype: torch.dtype) -> torch.Tensor:
@@ -328,11 +360,17 @@ def _combine(y: torch.Tensor, T: int, A: int, D: int, dtype: torch.dtype) -> tor
     return out
 
 
-def _moe_gemv_gguf(hidden, topk_ids, topk_weights, gate_up, down, act, bias, gguf_types) -> torch.Tensor:
-    """moe_gemv on GGUF banks (its docstring): the same three kernels with QUANT=GGUF and each bank's QT."""
+def _moe_gemv_gguf(hidden, topk_ids, topk_weights, gate_up, down, act, bias, gguf_types,
+                   gguf_launch=None) -> torch.Tensor:
+    """moe_gemv on GGUF banks (its docstring): the same three kernels with QUANT=GGUF, each bank's QT and its
+    type's launch (GGUF_LAUNCH, or ``gguf_launch``)."""
     T, A = topk_ids.shape
     D, I, gt, dt = gguf_geometry("moe_gemv", hidden, gate_up, down, gguf_types)
     if hidden.shape != (T, D) or topk_weights.shape != (T, A):
         raise ValueError(f"moe_gemv: shapes hidden {tuple(hidden.shape)}, topk_ids {tuple(topk_ids.shape)}, "
                          f"topk_weights {tuple(topk_weights.shape)} do not match [T, D], [T, A], [T, A]")
-    return _launch(hidden, topk_ids, topk_weights, gate_up, down, act, bias, D, I, GGUF, qts=(gt, dt))
+    if gguf_launch is None:
+        gate_up_type, down_type = (GGUFType(t) for t in gguf_types)
+        gguf_launch = (GGUF_LAUNCH[gate_up_type][0], GGUF_LAUNCH[down_type][1])
+    return _launch(hidden, topk_ids, topk_weights, gate_up, down, act, bias, D, I, GGUF, qts=(gt, dt),
+                   launch=gguf_launch)

@@ -1,6 +1,7 @@
 """Compile kernels/moe_gemm.py's kernels for sm_90 with the Triton wheel's own ptxas, no GPU needed: bf16,
 fp8_block and mxfp4 weights, silu and gpt-oss (biases, clamped SwiGLU), every launch config of the default
-table; and kernels/moe_gemv.py's in the same formats; then both on each GGUF block type (silu, the table). What the interpreter lets through but the compiler
+table; and kernels/moe_gemv.py's in the same formats; then both on each GGUF block type (silu, the GEMM's table, the
+GEMV at GGUF_LAUNCH's entry for each row alignment). What the interpreter lets through but the compiler
 rejects (a dot on a shape or dtype the tensor cores lack, a constexpr passed the wrong way) fails here. Run
 by test_compile_sm90.py in a process of its own (TRITON_INTERPRET unset); prints one line per compiled kernel."""
 
@@ -70,12 +71,12 @@ def main() -> None:
                                 {"x_ptr": "*bf16", "ids_ptr": "*i64", "gate_up_ptr": w, "act_ptr": "*fp32",
                                  "gs_ptr": s, "gb_ptr": "*bf16", "alpha": "fp32", "limit": "fp32"},
                                 {"BLOCK_I": gv.BLOCK_I, "BLOCK_K": gv.BLOCK_K1, "QUANT": quant, "SB": gv.SCALE_BLOCK,
-                                 "BIAS": gpt_oss, "CLAMP": gpt_oss, "QT": 0}, 4, 3)
+                                 "BIAS": gpt_oss, "CLAMP": gpt_oss, "QT": 0, "ALIGN": 1}, 4, 3)
             n2 = compile_kernel(gv._down_kernel,
                                 {"act_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32", "down_ptr": w,
                                  "y_ptr": "*fp32", "ds_ptr": s, "db_ptr": "*bf16"},
                                 {"BLOCK_D": gv.BLOCK_D, "BLOCK_K": gv.BLOCK_K2, "QUANT": quant, "SB": gv.SCALE_BLOCK,
-                                 "BIAS": gpt_oss, "QT": 0}, 4, 3)
+                                 "BIAS": gpt_oss, "QT": 0, "ALIGN": 1}, 4, 3)
             print(f"gemv quant={quant} gpt_oss={gpt_oss}: {n1} {n2} bytes")
     # GGUF banks (uint8 blocks, no scale banks): each type through the GEMM's table and the GEMV, silu
     for qtype, code in KERNEL_CODE.items():
@@ -93,17 +94,22 @@ def main() -> None:
                                 {**common, "BLOCK_N": cfg.block_n2, "BLOCK_K": cfg.block_k2},
                                 cfg.num_warps, cfg.num_stages)
             print(f"gguf gate_up/down {qtype.value} m{cfg.block_m}: {n1} {n2} bytes")
-        n1 = compile_kernel(gv._gate_up_act_kernel,
-                            {"x_ptr": "*bf16", "ids_ptr": "*i64", "gate_up_ptr": "*u8", "act_ptr": "*fp32",
-                             "gs_ptr": "*u8", "gb_ptr": "*u8", "alpha": "fp32", "limit": "fp32"},
-                            {"BLOCK_I": gv.BLOCK_I, "BLOCK_K": gv.BLOCK_K1, "QUANT": gv.GGUF, "SB": gv.SCALE_BLOCK,
-                             "BIAS": False, "CLAMP": False, "QT": code}, 4, 3)
-        n2 = compile_kernel(gv._down_kernel,
-                            {"act_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32", "down_ptr": "*u8",
-                             "y_ptr": "*fp32", "ds_ptr": "*u8", "db_ptr": "*u8"},
-                            {"BLOCK_D": gv.BLOCK_D, "BLOCK_K": gv.BLOCK_K2, "QUANT": gv.GGUF, "SB": gv.SCALE_BLOCK,
-                             "BIAS": False, "QT": code}, 4, 3)
-        print(f"gguf gemv {qtype.value}: {n1} {n2} bytes")
+        sizes = []
+        gate_up_launch, down_launch = gv.GGUF_LAUNCH[qtype]
+        for align in (4, 2, 1):  # the row alignments the launcher picks load widths for (gv.row_alignment)
+            sizes.append(compile_kernel(
+                gv._gate_up_act_kernel,
+                {"x_ptr": "*bf16", "ids_ptr": "*i64", "gate_up_ptr": "*u8", "act_ptr": "*fp32", "gs_ptr": "*u8",
+                 "gb_ptr": "*u8", "alpha": "fp32", "limit": "fp32"},
+                {"BLOCK_I": gate_up_launch.rows, "BLOCK_K": gv.BLOCK_K1, "QUANT": gv.GGUF, "SB": gv.SCALE_BLOCK,
+                 "BIAS": False, "CLAMP": False, "QT": code, "ALIGN": align}, gate_up_launch.num_warps, 3))
+            sizes.append(compile_kernel(
+                gv._down_kernel,
+                {"act_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32", "down_ptr": "*u8", "y_ptr": "*fp32",
+                 "ds_ptr": "*u8", "db_ptr": "*u8"},
+                {"BLOCK_D": down_launch.rows, "BLOCK_K": gv.BLOCK_K2, "QUANT": gv.GGUF, "SB": gv.SCALE_BLOCK,
+                 "BIAS": False, "QT": code, "ALIGN": align}, down_launch.num_warps, 3))
+        print(f"gguf gemv {qtype.value}: {' '.join(map(str, sizes))} bytes (row alignment 4, 2, 1)")
 
 
 if __name__ == "__main__":
