@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels.moe_gemm import GemmConfig, all_configs, moe_gemm
-from kernels.moe_gemv import moe_gemv
+from kernels.moe_gemv import RowLaunch, moe_gemv, row_alignment
 from services.engine.moe.gguf_quant import BLOCK, GGUFType, dequantize, quantize, row_bytes
 from services.engine.moe.reference import ClampedSwiGLU, moe_reference
 from tests.kernels.conftest import kernel_device
@@ -107,6 +107,34 @@ def test_padded_rows_read_only_their_types_bytes():
                  reference(hidden[:1], ids[:1], weights[:1], gate_up, down, Q4, Q4), atol=2e-5)
     for cfg in (SMALL, SMALL64):
         assert_close(moe_gemm(hidden, ids, weights, gate_up, down, config=cfg, gguf_types=(Q4, Q4)), ref, atol=2e-5)
+
+
+@pytest.mark.parametrize("gt, dt, extra, aligns", [
+    (Q4, Q6, 2, (2, 4)),  # q4_K rows 2 bytes past a multiple of 4 (as q4_K down in q6_K-wide slots of I=768: 630)
+    (Q5, Q4, 1, (1, 1)),  # odd row strides: byte loads
+    (Q6, Q5, 1, (1, 1)),
+    (Q4, Q5, 4, (4, 4)),
+])
+def test_gemv_reads_rows_at_each_alignment(gt, dt, extra, aligns):
+    """Padded rows whose strides allow 32-bit, 16-bit or only byte loads (the launcher's row_alignment): same
+    result as the reference, also at launches other than the table's (one with rows past the bank's end)."""
+    hidden, ids, weights, gate_up, down, _ = gguf_case(gt, dt, 2, 2, 3, 256, 256, seed=extra, device=kernel_device())
+    ref = reference(hidden, ids, weights, gate_up, down, gt, dt)
+    gate_up, down = pad_rows(gate_up, extra), pad_rows(down, extra)
+    assert (row_alignment(gate_up), row_alignment(down)) == aligns
+    assert_close(moe_gemv(hidden, ids, weights, gate_up, down, gguf_types=(gt, dt)), ref, atol=2e-5)
+    launch = (RowLaunch(8, num_warps=2), RowLaunch(512, num_warps=1))  # kernel 2: one program, half its rows masked
+    assert_close(moe_gemv(hidden, ids, weights, gate_up, down, gguf_types=(gt, dt), gguf_launch=launch), ref,
+                 atol=2e-5)
+
+
+def test_row_alignment_sees_the_address_and_both_strides():
+    bank = torch.zeros(2, 4, 160, dtype=torch.uint8)
+    assert row_alignment(bank) == 4
+    assert row_alignment(bank[:, :, 2:]) == 2  # a view 2 bytes into each row
+    assert row_alignment(bank[:, :, 1:]) == 1
+    assert row_alignment(bank[:, ::3]) == 4  # row stride 480
+    assert row_alignment(torch.zeros(3, 2, 105, dtype=torch.uint8)) == 1  # expert stride 210, row stride 105
 
 
 def test_banks_that_do_not_fit_their_types_are_refused():
