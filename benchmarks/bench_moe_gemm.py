@@ -11,12 +11,18 @@ Each call is timed as decode runs it, replayed from a CUDA graph (``--calls`` ca
 top-k of E uniformly at random per token (the synthetic models' routers); every result is checked against
 moe_reference in fp32 first (fp8: on the dequantized experts). ``--sweep`` times every candidate launch
 config of the GEMM per size and prints the best: what goes into kernels/moe_gemm.CONFIGS for a device.
+``--gemv-sweep`` (GGUF banks) instead times the GEMV at each candidate launch of its two kernels (rows per
+program x num_warps; kernel 1 swept with kernel 2 at the table's launch, then kernel 2 beside kernel 1's best)
+at a few small token counts: what goes into kernels/moe_gemv.GGUF_LAUNCH for the banks' types.
 
     python -m benchmarks.bench_moe_gemm [--tokens 1,4,8,16,32,64,256] [--fp8 | --mxfp4 | --gguf TYPES] [--gpt-oss]
-        [--sweep] [--json out.json]
+        [--sweep | --gemv-sweep] [--json out.json]
 
     # a Q4_K_M file's layer of Qwen3-30B-A3B: gate_up q4_K, down q6_K (GB/s of the blocks' bytes)
     python -m benchmarks.bench_moe_gemm --gguf q4_K+q6_K
+
+    # the GGUF GEMV's launches for that layer, at 1, 2, 4 and 8 tokens
+    python -m benchmarks.bench_moe_gemm --gguf q4_K+q6_K --gemv-sweep --json gemv_sweep.json
 
     # gpt-oss-120b's layer: MXFP4 experts, biases and the clamped SwiGLU, top-4 of 128
     python -m benchmarks.bench_moe_gemm --mxfp4 --gpt-oss --experts 128 --top-k 4 --hidden 2880 --inter 2880
@@ -34,7 +40,7 @@ from tqdm import tqdm
 
 from benchmarks.bench_gemv import graph_us
 from kernels.moe_gemm import GemmConfig, moe_gemm, pick_config
-from kernels.moe_gemv import moe_gemv
+from kernels.moe_gemv import GGUF_LAUNCH, RowLaunch, moe_gemv
 from services.engine.models import mxfp4
 from services.engine.moe import gguf_quant
 from services.engine.moe.fp8 import dequantize, dequantize_gate_up, quantize, quantize_gate_up
@@ -49,6 +55,69 @@ def sweep_configs() -> list[GemmConfig]:
     for bm, bn, bk, warps in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (4, 8)):
         out.append(GemmConfig(bm, bn, bk, max(bn, 64), bk, num_warps=warps, num_stages=3))
     return out
+
+
+def gemv_launch_candidates() -> list[RowLaunch]:
+    """Candidate launches of each GGUF GEMV kernel for --gemv-sweep: rows per program x num_warps."""
+    return [RowLaunch(rows, warps) for rows, warps in itertools.product((8, 16, 32, 64), (2, 4, 8))]
+
+
+def sweep_gemv_launches(gemv, check, tokens: int, gguf_types, nbytes: int, calls: int, replays: int) -> list[dict]:
+    """``gemv(launch)`` (moe_gemv with gguf_launch=launch, checked by ``check(out)``) timed with kernel 1 at each
+    candidate and kernel 2 at the table's launch, then kernel 2 at each candidate beside kernel 1's best -> rows
+    (tokens, kernel, its bank's type, rows, num_warps, us and GB/s of ``nbytes`` for the whole call)."""
+    table = (GGUF_LAUNCH[gguf_types[0]][0], GGUF_LAUNCH[gguf_types[1]][1])
+    rows, best1 = [], table[0]
+    for kernel, gguf_type in ((0, gguf_types[0]), (1, gguf_types[1])):
+        timed = {}
+        for cand in gemv_launch_candidates():
+            launch = (cand, table[1]) if kernel == 0 else (best1, cand)
+            try:
+                check(gemv(launch))
+                timed[cand] = graph_us(lambda lc=launch: gemv(lc), calls, replays)
+            except Exception as exc:  # noqa: BLE001 - a launch the device cannot run (registers): skipped
+                print(f"  {('gate_up', 'down')[kernel]} {cand}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        for cand, us in timed.items():
+            rows.append({"tokens": tokens, "kernel": ("gate_up", "down")[kernel], "gguf_type": gguf_type.value,
+                         "rows": cand.rows, "num_warps": cand.num_warps, "table": cand == table[kernel],
+                         "us": us, "GBs": nbytes / (us * 1e-6) / GB})
+        if kernel == 0 and timed:
+            best1 = min(timed, key=timed.get)
+    return rows
+
+
+def print_gemv_sweep(rows: list[dict]) -> None:
+    """The --gemv-sweep table, the best launch of each kernel per token count marked *, the table's marked t."""
+    print(f"{'T':>3} | {'kernel':>7} | {'type':>10} | {'rows':>4} | {'warps':>5} | {'GEMV us':>8} | {'GB/s':>6} |")
+    for (tokens, kernel), group in itertools.groupby(rows, key=lambda r: (r["tokens"], r["kernel"])):
+        group = list(group)
+        best = min(group, key=lambda r: r["us"])
+        for r in group:
+            mark = ("*" if r is best else "") + ("t" if r["table"] else "")
+            print(f"{tokens:>3} | {kernel:>7} | {r['gguf_type']:>10} | {r['rows']:>4} | {r['num_warps']:>5} | "
+                  f"{r['us']:8.1f} | {r['GBs']:6.0f} | {mark}")
+    print("best per token count (kernel: rows, num_warps): GGUF_LAUNCH[type] = (gate_up's, down's)")
+    for tokens, group in itertools.groupby(rows, key=lambda r: r["tokens"]):
+        group = list(group)
+        picks = []
+        for kernel in ("gate_up", "down"):
+            mine = [r for r in group if r["kernel"] == kernel]
+            if mine:
+                b = min(mine, key=lambda r: r["us"])
+                picks.append(f"{kernel} ({b['gguf_type']}): RowLaunch({b['rows']}, {b['num_warps']}) {b['us']:.1f} us")
+        print(f"  T={tokens}: " + "; ".join(picks))
+
+
+def print_gemv_against_gemm(rows: list[dict], ceiling: float, sweep: bool) -> None:
+    print(f"{'T':>5} | {'routes':>6} | {'experts':>7} | {'GEMV us':>8} | {'GB/s':>6} | {'GEMM us':>8} | {'GB/s':>6} | "
+          f"{'% ceil':>6}" + (" | best us | best config" if sweep else ""))
+    for r in rows:
+        line = (f"{r['tokens']:>5} | {r['routes']:>6} | {r['distinct_experts']:>7} | {r['gemv_us']:8.1f} | "
+                f"{r['gemv_GBs']:6.0f} | {r['gemm_us']:8.1f} | {r['gemm_GBs']:6.0f} | "
+                f"{100 * r['gemm_GBs'] / ceiling:5.0f}%")
+        if sweep:
+            line += f" | {r['best_us']:7.1f} | {r['best_config']}"
+        print(line)
 
 
 def hbm_ceiling_GBs(nbytes: int = 2 << 30, reps: int = 10) -> float:
@@ -102,7 +171,8 @@ def dense_fp32(banks: dict, gguf_types=None) -> tuple[torch.Tensor, torch.Tensor
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", default="1,4,8,16,32,64,256", help="comma list of tokens per step")
+    p.add_argument("--tokens", help="comma list of tokens per step (default 1,4,8,16,32,64,256; with --gemv-sweep "
+                                    "1,2,4,8)")
     p.add_argument("--experts", type=int, default=128, help="E (default: Qwen3-30B-A3B's 128)")
     p.add_argument("--top-k", type=int, default=8, help="A (default: 8)")
     p.add_argument("--hidden", type=int, default=2048, help="D (default: 2048)")
@@ -115,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
                                                     "of q4_K, q5_K, q6_K, q8_0, mxfp4_gguf (e.g. q4_K+q6_K)")
     p.add_argument("--gpt-oss", action="store_true", help="gpt-oss expert maths: per-expert biases and the clamped "
                                                          "SwiGLU (alpha 1.702, limit 7)")
-    p.add_argument("--sweep", action="store_true", help="also time every candidate GEMM launch config per size")
+    sweep = p.add_mutually_exclusive_group()
+    sweep.add_argument("--sweep", action="store_true", help="also time every candidate GEMM launch config per size")
+    sweep.add_argument("--gemv-sweep", action="store_true", help="GGUF banks: time the GEMV at every candidate launch "
+                                                               "(rows per program x num_warps) of each kernel instead")
     p.add_argument("--calls", type=int, default=20, help="calls captured per CUDA graph")
     p.add_argument("--replays", type=int, default=10, help="graph replays; the best is kept")
     p.add_argument("--json", help="write the rows to this JSON file")
@@ -123,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_moe_gemm: needs a CUDA device", file=sys.stderr)
         return 2
+    if args.gemv_sweep and not args.gguf:
+        p.error("--gemv-sweep: the GGUF GEMV's launches; name the banks' types with --gguf")
+    if args.tokens is None:
+        args.tokens = "1,2,4,8" if args.gemv_sweep else "1,4,8,16,32,64,256"
     try:
         token_counts = [int(t) for t in args.tokens.split(",")]
     except ValueError:
@@ -162,16 +239,24 @@ def main(argv: list[str] | None = None) -> int:
         distinct = int(torch.unique(ids).numel())
         ref = moe_reference(hidden.float(), ids, weights, *dense, act, bias32)
 
-        def gemv():
-            return moe_gemv(hidden, ids, weights, banks["gate_up"], banks["down"], act=act, bias=bias, **kw)
+        def gemv(launch=None):
+            return moe_gemv(hidden, ids, weights, banks["gate_up"], banks["down"], act=act, bias=bias,
+                            gguf_launch=launch, **kw)
+
+        def check(out, name="gemv"):  # bf16 rounding: relative to the output's scale
+            err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+            if not err < 2e-2:
+                raise AssertionError(f"{name} at {T} tokens: max error {err:.3g} of the output's scale")
+
+        if args.gemv_sweep:
+            rows += sweep_gemv_launches(gemv, check, T, gguf_types, distinct * expert_bytes, args.calls, args.replays)
+            continue
 
         def gemm(cfg=None):
             return moe_gemm(hidden, ids, weights, banks["gate_up"], banks["down"], act, bias, config=cfg, **kw)
 
-        for name, fn in (("gemv", gemv), ("gemm", gemm)):  # bf16 rounding: relative to the output's scale
-            err = ((fn().float() - ref).abs().max() / ref.abs().max()).item()
-            if not err < 2e-2:
-                raise AssertionError(f"{name} at {T} tokens: max error {err:.3g} of the output's scale")
+        for name, fn in (("gemv", gemv), ("gemm", gemm)):
+            check(fn(), name)
         gemv_us, gemm_us = (graph_us(fn, args.calls, args.replays) for fn in (gemv, gemm))
         row = {"tokens": T, "routes": T * A, "distinct_experts": distinct,
                "distinct_GB": distinct * expert_bytes / GB, "gemv_us": gemv_us, "gemm_us": gemm_us,
@@ -191,15 +276,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     print(f"E={E} top-{A} D={D} I={I} {fmt_name}{' gpt-oss' if args.gpt_oss else ''}: {expert_bytes / 1e6:.1f} MB per "
           f"expert; HBM ceiling (copy, read + write) {ceiling:.0f} GB/s")
-    print(f"{'T':>5} | {'routes':>6} | {'experts':>7} | {'GEMV us':>8} | {'GB/s':>6} | {'GEMM us':>8} | {'GB/s':>6} | "
-          f"{'% ceil':>6}" + (" | best us | best config" if args.sweep else ""))
-    for r in rows:
-        line = (f"{r['tokens']:>5} | {r['routes']:>6} | {r['distinct_experts']:>7} | {r['gemv_us']:8.1f} | "
-                f"{r['gemv_GBs']:6.0f} | {r['gemm_us']:8.1f} | {r['gemm_GBs']:6.0f} | "
-                f"{100 * r['gemm_GBs'] / ceiling:5.0f}%")
-        if args.sweep:
-            line += f" | {r['best_us']:7.1f} | {r['best_config']}"
-        print(line)
+    if args.gemv_sweep:
+        print_gemv_sweep(rows)
+    else:
+        print_gemv_against_gemm(rows, ceiling, args.sweep)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hbm_GBs": ceiling,
