@@ -36,8 +36,10 @@ GGUF experts (q4_K, q5_K, q6_K, q8_0, mxfp4_gguf: services/engine/moe/gguf_quant
 file's blocks, no scale banks; the caller names each bank's type (``gguf_types``: gate_up and down may
 differ, Q4_K_M files hold q6_K down) and rows may be wider than the type needs (slots shared by layers of
 different types). kernels/gguf_dequant.gguf_row_dot decodes each row's blocks in registers, every quant
-byte loaded once and each sub-block's scale applied to its partial sum (constexpr QT per bank); the
-reference is gguf_quant.dequantize + moe_reference (tests/kernels/test_moe_gguf.py).
+byte loaded once and each sub-block's scale applied to its partial sum (constexpr QT per bank); it loads
+32-bit words where every row of the bank is 4-byte aligned (constexpr ALIGN: row_alignment checks the bank's
+address and strides; padded rows may not be). Rows per program and num_warps come from GGUF_LAUNCH by type.
+The reference is gguf_quant.dequantize + moe_reference (tests/kernels/test_moe_gguf.py).
 """
 
 from __future__ import annotations
