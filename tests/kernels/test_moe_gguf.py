@@ -128,6 +128,19 @@ def test_gemv_reads_rows_at_each_alignment(gt, dt, extra, aligns):
                  atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype, offset", [(torch.bfloat16, 0), (torch.float16, 0), (torch.bfloat16, 1)])
+def test_gemv_16_bit_inputs(dtype, offset):
+    """bf16 / fp16 hidden: four inputs a 64-bit load when rows start at multiples of 8 bytes, one load each
+    when not (``offset`` elements into a buffer). Against the reference on the same rounded inputs."""
+    hidden, ids, weights, gate_up, down, _ = gguf_case(Q4, Q6, 2, 2, 3, 256, 256, seed=6, device=kernel_device(),
+                                                       dtype=dtype)
+    shifted = torch.empty(hidden.numel() + offset, dtype=dtype, device=hidden.device)[offset:].view(hidden.shape)
+    shifted.copy_(hidden)
+    assert (shifted.data_ptr() % 8 == 0) == (offset == 0)
+    got = moe_gemv(shifted, ids, weights, gate_up, down, gguf_types=(Q4, Q6))
+    assert_close(got, reference(hidden, ids, weights, gate_up, down, Q4, Q6), atol=1e-2)  # the output's rounding
+
+
 def test_row_alignment_sees_the_address_and_both_strides():
     bank = torch.zeros(2, 4, 160, dtype=torch.uint8)
     assert row_alignment(bank) == 4
