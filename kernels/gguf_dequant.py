@@ -120,24 +120,24 @@ def _words(base, word, mask, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _x_quad(x_ptr, quad, X8: tl.constexpr):
+def _x_quad(x_ptr, quad, X_ALIGN8: tl.constexpr):
     """x[4 quad .. 4 quad + 3] (quad an int tensor) -> a tuple of four fp32 tensors shaped like quad: the four
-    inputs a quant word's bytes meet. With X8 (x_ptr a multiple of 8 bytes: the launcher's check) 16-bit x
+    inputs a quant word's bytes meet. With X_ALIGN8 (x_ptr a multiple of 8 bytes: the launcher's check) 16-bit x
     arrives in one 64-bit load per quad and fp32 x in two, not one load per value."""
     XT: tl.constexpr = x_ptr.dtype.element_ty
-    if X8 and XT == tl.bfloat16:  # a bf16's bits are the top half of its fp32's: a shift, no convert
+    if X_ALIGN8 and XT == tl.bfloat16:  # a bf16's bits are the top half of its fp32's: a shift, no convert
         v = tl.load(x_ptr.to(tl.pointer_type(tl.uint64)) + quad)
         return (((v & 0xFFFF) << 16).to(tl.uint32).to(tl.float32, bitcast=True),
                 ((v & 0xFFFF0000).to(tl.uint32)).to(tl.float32, bitcast=True),
                 (((v >> 32) & 0xFFFF) << 16).to(tl.uint32).to(tl.float32, bitcast=True),
                 ((v >> 32) & 0xFFFF0000).to(tl.uint32).to(tl.float32, bitcast=True))
-    elif X8 and XT == tl.float16:
+    elif X_ALIGN8 and XT == tl.float16:
         v = tl.load(x_ptr.to(tl.pointer_type(tl.uint64)) + quad)
         return ((v & 0xFFFF).to(tl.uint16).to(XT, bitcast=True).to(tl.float32),
                 ((v >> 16) & 0xFFFF).to(tl.uint16).to(XT, bitcast=True).to(tl.float32),
                 ((v >> 32) & 0xFFFF).to(tl.uint16).to(XT, bitcast=True).to(tl.float32),
                 (v >> 48).to(tl.uint16).to(XT, bitcast=True).to(tl.float32))
-    elif X8 and XT == tl.float32:
+    elif X_ALIGN8 and XT == tl.float32:
         p = x_ptr.to(tl.pointer_type(tl.uint64)) + 2 * quad
         v01 = tl.load(p)
         v23 = tl.load(p + 1)
@@ -181,12 +181,12 @@ def _k4_scale_min_words(s0, s1, s2, j):
 
 @triton.jit
 def gguf_row_dot(rows, mask_r, x_ptr, K, QT: tl.constexpr, BLOCK_R: tl.constexpr, ALIGN: tl.constexpr,
-                 X8: tl.constexpr):
+                 X_ALIGN8: tl.constexpr):
     """sum over k < K of W[r, k] * x[k] for the GGUF rows at ``rows`` ([BLOCK_R] uint8 pointers) -> [BLOCK_R]
     fp32: the GEMV's form of gguf_values. ALIGN (4, 2 or 1) divides every row's address (the launcher's
     check): the K-quants load their bytes as 32-bit words (16-bit or bytes where only that alignment holds;
     q6_K's 210-byte blocks are 2-aligned at best) and take a word's nibbles with shifts and masks; a word's
-    four inputs x come packed in 64-bit loads where X8 says x_ptr is 8-byte aligned (_x_quad). Per 256
+    four inputs x come packed in 64-bit loads where X_ALIGN8 says x_ptr is 8-byte aligned (_x_quad). Per 256
     values (a K-quant block, or 8 q8_0 / mxfp4 blocks) each quant byte is loaded once and split into both its
     values, a sub-block's scale is applied to its partial sum (sum (s q - o) x = s sum q x - o sum x), the
     block header is loaded once per row, and the K-quants keep one partial sum per word lane, so the only
@@ -208,8 +208,8 @@ def gguf_row_dot(rows, mask_r, x_ptr, K, QT: tl.constexpr, BLOCK_R: tl.constexpr
             qw = _words(base, QS // 4 + 8 * g + w, m3, ALIGN)  # [R, 4, 8]
             if QT == 2:  # the fifth bit: bit j of qh[l] for sub-block j
                 qh = _words(base, 4 + w, m3, ALIGN)  # [R, 1, 8]
-            x_lo4 = _x_quad(x_ptr, blk * 64 + 16 * g + w, X8)  # [1, 4, 8] values 64g + 4w + b of the block
-            x_hi4 = _x_quad(x_ptr, blk * 64 + 16 * g + 8 + w, X8)  # 64g + 32 + 4w + b
+            x_lo4 = _x_quad(x_ptr, blk * 64 + 16 * g + w, X_ALIGN8)  # [1, 4, 8] values 64g + 4w + b of the block
+            x_hi4 = _x_quad(x_ptr, blk * 64 + 16 * g + 8 + w, X_ALIGN8)  # 64g + 32 + 4w + b
             dq_lo = tl.zeros([BLOCK_R, 4, 8], dtype=tl.float32)
             dq_hi = tl.zeros([BLOCK_R, 4, 8], dtype=tl.float32)
             xs_lo = tl.zeros([1, 4, 8], dtype=tl.float32)
@@ -249,7 +249,7 @@ def gguf_row_dot(rows, mask_r, x_ptr, K, QT: tl.constexpr, BLOCK_R: tl.constexpr
             part = tl.zeros([BLOCK_R, 2, 8], dtype=tl.float32)
             for s in tl.static_range(4):
                 ql = ql_a if s % 2 == 0 else ql_b
-                x4 = _x_quad(x_ptr, blk * 64 + 32 * h + 8 * s + w, X8)  # [1, 2, 8] values 128h + 32s + 4w + b
+                x4 = _x_quad(x_ptr, blk * 64 + 32 * h + 8 * s + w, X_ALIGN8)  # [1, 2, 8] values 128h + 32s + 4w + b
                 dq = tl.zeros([BLOCK_R, 2, 8], dtype=tl.float32)
                 for b in tl.static_range(4):
                     q = ((ql >> (8 * b + 4 * (s // 2))) & 15) | (((qh >> (8 * b + 2 * s)) & 3) << 4)

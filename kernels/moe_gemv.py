@@ -140,7 +140,7 @@ def _gate_up_act_kernel(
     stride_x, stride_ge, stride_gr, stride_act, stride_gse, stride_gsr, stride_gbe,
     # meta
     BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr, SB: tl.constexpr,
-    BIAS: tl.constexpr, CLAMP: tl.constexpr, QT: tl.constexpr, ALIGN: tl.constexpr, X8: tl.constexpr,
+    BIAS: tl.constexpr, CLAMP: tl.constexpr, QT: tl.constexpr, ALIGN: tl.constexpr, X_ALIGN8: tl.constexpr,
 ):
     r = tl.program_id(0)
     offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I] rows of gate (and of up)
@@ -159,8 +159,8 @@ def _gate_up_act_kernel(
                                 D // 2, BLOCK_I, BLOCK_K // 2)
         elif QUANT == 3:  # GGUF: gate's rows and up's (I rows further), blocks decoded in registers
             rows = base + offs_i.to(tl.int64) * stride_gr  # [BLOCK_I] row pointers
-            acc_g = gguf_row_dot(rows, mask_i, x_ptr + t * stride_x, D, QT, BLOCK_I, ALIGN, X8)
-            acc_u = gguf_row_dot(rows + I * stride_gr, mask_i, x_ptr + t * stride_x, D, QT, BLOCK_I, ALIGN, X8)
+            acc_g = gguf_row_dot(rows, mask_i, x_ptr + t * stride_x, D, QT, BLOCK_I, ALIGN, X_ALIGN8)
+            acc_u = gguf_row_dot(rows + I * stride_gr, mask_i, x_ptr + t * stride_x, D, QT, BLOCK_I, ALIGN, X_ALIGN8)
         else:
             for k0 in range(0, D, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -200,7 +200,7 @@ def _down_kernel(
     stride_act, stride_de, stride_dr, stride_y, stride_dse, stride_dsr, stride_dbe,
     # meta
     BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr, SB: tl.constexpr, BIAS: tl.constexpr,
-    QT: tl.constexpr, ALIGN: tl.constexpr, X8: tl.constexpr,
+    QT: tl.constexpr, ALIGN: tl.constexpr, X_ALIGN8: tl.constexpr,
 ):
     r = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D] output rows
@@ -214,7 +214,7 @@ def _down_kernel(
                               act_ptr + r * stride_act, I // 2, BLOCK_D, BLOCK_K // 2)
         elif QUANT == 3:  # GGUF rows of I values
             acc = gguf_row_dot(base + offs_d.to(tl.int64) * stride_dr, mask_d, act_ptr + r * stride_act, I, QT, BLOCK_D,
-                               ALIGN, X8)
+                               ALIGN, X_ALIGN8)
         else:
             for k0 in range(0, I, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -335,15 +335,16 @@ def _launch(hidden, topk_ids, topk_weights, gate_up, down, act, bias, D: int, I:
         A, D, I, nb, float(act.alpha) if act is not None else 0.0, float(act.limit) if act is not None else 0.0,
         hidden.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0), *gss, gb.stride(0),
         BLOCK_I=l1.rows, BLOCK_K=BLOCK_K1, QUANT=quant, SB=SCALE_BLOCK, BIAS=bias is not None, CLAMP=act is not None,
-        QT=qts[0], ALIGN=row_alignment(gate_up) if quant == GGUF else 1, X8=_rows_8_aligned(hidden),
-        num_warps=l1.num_warps,
+        QT=qts[0], ALIGN=row_alignment(gate_up) if quant == GGUF else 1,
+        X_ALIGN8=quant == GGUF and _rows_8_aligned(hidden), num_warps=l1.num_warps,
     )
     _down_kernel[(R, triton.cdiv(D, l2.rows))](
         inter, ids, weights, down, y, ds, db,
         D, I,
         inter.stride(0), down.stride(0), down.stride(1), y.stride(0), *dss, db.stride(0),
         BLOCK_D=l2.rows, BLOCK_K=BLOCK_K2, QUANT=quant, SB=SCALE_BLOCK, BIAS=bias is not None, QT=qts[1],
-        ALIGN=row_alignment(down) if quant == GGUF else 1, X8=_rows_8_aligned(inter), num_warps=l2.num_warps,
+        ALIGN=row_alignment(down) if quant == GGUF else 1, X_ALIGN8=quant == GGUF and _rows_8_aligned(inter),
+        num_warps=l2.num_warps,
     )
     return _combine(y, T, A, D, hidden.dtype)
 

@@ -71,12 +71,12 @@ def main() -> None:
                                 {"x_ptr": "*bf16", "ids_ptr": "*i64", "gate_up_ptr": w, "act_ptr": "*fp32",
                                  "gs_ptr": s, "gb_ptr": "*bf16", "alpha": "fp32", "limit": "fp32"},
                                 {"BLOCK_I": gv.BLOCK_I, "BLOCK_K": gv.BLOCK_K1, "QUANT": quant, "SB": gv.SCALE_BLOCK,
-                                 "BIAS": gpt_oss, "CLAMP": gpt_oss, "QT": 0, "ALIGN": 1, "X8": True}, 4, 3)
+                                 "BIAS": gpt_oss, "CLAMP": gpt_oss, "QT": 0, "ALIGN": 1, "X_ALIGN8": True}, 4, 3)
             n2 = compile_kernel(gv._down_kernel,
                                 {"act_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32", "down_ptr": w,
                                  "y_ptr": "*fp32", "ds_ptr": s, "db_ptr": "*bf16"},
                                 {"BLOCK_D": gv.BLOCK_D, "BLOCK_K": gv.BLOCK_K2, "QUANT": quant, "SB": gv.SCALE_BLOCK,
-                                 "BIAS": gpt_oss, "QT": 0, "ALIGN": 1, "X8": True}, 4, 3)
+                                 "BIAS": gpt_oss, "QT": 0, "ALIGN": 1, "X_ALIGN8": True}, 4, 3)
             print(f"gemv quant={quant} gpt_oss={gpt_oss}: {n1} {n2} bytes")
     # GGUF banks (uint8 blocks, no scale banks): each type through the GEMM's table and the GEMV, silu
     for qtype, code in KERNEL_CODE.items():
@@ -102,13 +102,14 @@ def main() -> None:
                 {"x_ptr": "*bf16", "ids_ptr": "*i64", "gate_up_ptr": "*u8", "act_ptr": "*fp32", "gs_ptr": "*u8",
                  "gb_ptr": "*u8", "alpha": "fp32", "limit": "fp32"},
                 {"BLOCK_I": gate_up_launch.rows, "BLOCK_K": gv.BLOCK_K1, "QUANT": gv.GGUF, "SB": gv.SCALE_BLOCK,
-                 "BIAS": False, "CLAMP": False, "QT": code, "ALIGN": align, "X8": True}, gate_up_launch.num_warps, 3))
+                 "BIAS": False, "CLAMP": False, "QT": code, "ALIGN": align, "X_ALIGN8": True},
+                gate_up_launch.num_warps, 3))
             sizes.append(compile_kernel(
                 gv._down_kernel,
                 {"act_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32", "down_ptr": "*u8", "y_ptr": "*fp32",
                  "ds_ptr": "*u8", "db_ptr": "*u8"},
                 {"BLOCK_D": down_launch.rows, "BLOCK_K": gv.BLOCK_K2, "QUANT": gv.GGUF, "SB": gv.SCALE_BLOCK,
-                 "BIAS": False, "QT": code, "ALIGN": align, "X8": True}, down_launch.num_warps, 3))
+                 "BIAS": False, "QT": code, "ALIGN": align, "X_ALIGN8": True}, down_launch.num_warps, 3))
         print(f"gguf gemv {qtype.value}: {' '.join(map(str, sizes))} bytes (row alignment 4, 2, 1)")
 
 
