@@ -90,13 +90,15 @@ class AutoBackend:
     def observe_decode_step(self, seconds: float, tokens: int) -> bool:
         """One decode step's wall time for ``tokens`` sequences. True when the inner backend was rebuilt
         (the caller must re-capture its decode graphs)."""
-        inner_observe = getattr(self.inner, "observe_decode_step", None)
-        if inner_observe is not None:  # hybrid tunes its split on the same step times
-            inner_observe(seconds, tokens)
+        # no local may hold the inner backend (a bound method, its buckets) past this point: a switch below
+        # frees it before building the other one, and a reference left in this frame would keep its slot
+        # banks allocated meanwhile: two expert caches at once, an out-of-memory under a budget-sized cache
+        # (--gpu-memory-limit, where one cache fills most of the budget)
+        if hasattr(self.inner, "observe_decode_step"):  # hybrid tunes its split on the same step times
+            self.inner.observe_decode_step(seconds, tokens)
         if self.settled or tokens <= 0:
             return False
-        buckets = getattr(self.inner, "buckets", None)
-        if buckets is not None and buckets.settling(tokens):  # hybrid still searching this bucket's split
+        if self._inner_settling(tokens):  # hybrid still searching this bucket's split
             return False
         if self._skip > 0:
             self._skip -= 1
@@ -121,6 +123,10 @@ class AutoBackend:
             return self._switch(best, "verdict")
         self._apply_pins()
         return False
+
+    def _inner_settling(self, tokens: int) -> bool:
+        buckets = getattr(self.inner, "buckets", None)
+        return buckets is not None and buckets.settling(tokens)
 
     def _verdict(self) -> str:
         """Per bucket timed by both candidates the faster; hybrid when it wins any (else offload). No
@@ -198,9 +204,8 @@ class AutoBackend:
         return {"auto": self._describe(), "rebuilt": rebuilt}
 
     def _release_inner(self) -> None:
-        close = getattr(self.inner, "close", None)
-        if close is not None:
-            close()
+        if hasattr(self.inner, "close"):  # through self.inner: a local bound method would keep it alive
+            self.inner.close()
         self.inner = None  # type: ignore[assignment]
         gc.collect()
         if self.ctx.device.type == "cuda":

@@ -230,3 +230,38 @@ def test_engine_with_auto_serves_sixteen_and_shows_its_buckets(hf_checkpoints, t
         assert experts["auto"]["buckets"]["16"]["mode"] in ("hybrid", "offload", "cpu")
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("first", ["offload", "hybrid"])
+def test_switch_frees_the_old_backend_before_building_the_other(first, qwen3, tmp_path, monkeypatch):
+    """A switch must free the running candidate's expert cache before the other one allocates its own: under
+    --gpu-memory-limit one budget-sized cache fills most of the budget, and two at once ran out of memory
+    (H200, qwen3-30b-a3b q4_K_M at 24 GiB: the engine failed at auto's first switch, 48 decode steps in).
+    A reference to the old backend left in observe_decode_step's frame kept it alive through the build."""
+    import gc
+    import weakref
+
+    lm, model_dir, expected = qwen3
+    monkeypatch.setenv("TANDEM_PROFILES_DIR", str(tmp_path))
+    if first == "hybrid":
+        monkeypatch.setattr(auto, "gpu_uuid", lambda device: GPU)
+        P.write_profile(fp32_profile(cpu_ov=200.0, pcie_ov=20.0), tmp_path)
+    backend = auto_backend_for(lm, model_dir)
+    assert backend.current == first
+    old = weakref.ref(backend.inner)
+    alive_at_build = []
+    build = backend._build
+
+    def build_after_checking(kind):
+        gc.collect()
+        alive_at_build.append(old() is not None)
+        return build(kind)
+
+    monkeypatch.setattr(backend, "_build", build_after_checking)
+    steps = 0
+    while not alive_at_build and steps < 2000:
+        backend.observe_decode_step(0.002, tokens=1)
+        steps += 1
+    assert alive_at_build == [False] and backend.current == auto.OTHER[first]
+    lm.model.set_backend(backend)
+    assert greedy_generate(lm, PROMPT, NEW_TOKENS) == expected
