@@ -103,6 +103,8 @@ def stream_chat(url: str, model: str, prompt: str, max_tokens: int, sampling: di
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:  # the server failed the request mid-stream: its reason, not "ended early"
+                raise RuntimeError(f"error event after {len(event_times)} events: {json.dumps(chunk['error'])[:500]}")
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for choice in chunk.get("choices", []):

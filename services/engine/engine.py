@@ -186,7 +186,8 @@ class Engine(StepLoop, EngineStatus):
                     item[2](None, EngineNotReadyError(f"engine failed: {self.error}"))
                 elif item[0] == "add":
                     self.scheduler.waiting.append(item[1])
-            self.scheduler.abort_all("failed")
+            # each stream's last output says why (the gateway's error event), not a bare "aborted"
+            self.scheduler.abort_all("failed", f"the engine failed and stops serving ({self.error})")
 
     def _load_model(self) -> None:
         import torch

@@ -178,3 +178,32 @@ def test_a_cpu_only_ceilings_file_bounds_the_cpu_backend_alone():
     assert bandwidth_bound(row, cpu_only)["bound_ceilings_GBs"] == {"cpu_read_sum_fp32_GBs": 8.0}
     assert bandwidth_bound({**row, "backend": "hybrid"}, cpu_only) == {}
     assert bandwidth_bound({**row, "backend": "offload"}, cpu_only) == {}
+
+
+def test_an_error_event_mid_stream_is_reported_with_its_message(monkeypatch):
+    """The server fails a request mid-stream with an SSE error event (then [DONE], no usage chunk): the
+    row names the server's error, not just "stream ended early"."""
+    from contextlib import contextmanager
+
+    import httpx
+
+    from benchmarks import bench_decode_moe as bench
+
+    delta = {"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]}
+    error = {"error": {"message": "the engine failed and stops serving (OutOfMemoryError: ...)",
+                       "type": "server_error", "code": 500}}
+    lines = [f"data: {json.dumps(delta)}"] * 3 + [f"data: {json.dumps(error)}", "data: [DONE]"]
+
+    @contextmanager
+    def fake_stream(*args, **kwargs):
+        class Response:
+            status_code = 200
+
+            def iter_lines(self):
+                return iter(lines)
+
+        yield Response()
+
+    monkeypatch.setattr(httpx, "stream", fake_stream)
+    with pytest.raises(RuntimeError, match=r"error event after 3 events: .*OutOfMemoryError"):
+        bench.stream_chat("http://x", "m", "hi", 8, dict(bench.GREEDY), 0)

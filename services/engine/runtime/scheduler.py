@@ -358,10 +358,10 @@ class Scheduler:
         req.emit(out)
         return req
 
-    def abort_all(self, reason: str) -> None:
-        """Abort every request (engine shutting down or failed)."""
+    def abort_all(self, reason: str, error: str | None = None) -> None:
+        """Abort every request (engine shutting down or failed); ``error``: why, in each one's last output."""
         for req in list(self.waiting) + list(self.running):
-            self.abort(req.request_id)
+            self.abort(req.request_id, error)
 
     def _release(self, req: Request) -> None:
         if req in self.running:

@@ -63,3 +63,43 @@ def test_failed_load_is_reported_and_refuses_requests(tmp_path):
     with pytest.raises(EngineNotReadyError, match="failed"):
         asyncio.run(submit())
     engine.shutdown()
+
+
+def test_a_failure_of_the_step_loop_names_itself_to_the_stream_and_the_log(hf_checkpoints, caplog):
+    """An exception outside the per-step guards (here the backend observation after a decode step: `auto`
+    rebuilding its backend ran out of memory there) stops the engine: the log has it at ERROR with its
+    traceback, /health says failed, and every open stream ends with finish "abort" and an error naming it
+    (the gateway's error event) instead of a bare abort."""
+    import logging
+
+    engine = Engine(EngineConfig(model=str(hf_checkpoints["mixtral"].dir), max_seq_len=32, device="cpu"))
+    engine.start()
+    try:
+        engine.wait_ready(60)
+        observe, calls = engine._observe_backend, []
+
+        def failing_observe(batch, seconds):
+            calls.append(batch.num_prefill)
+            if len(calls) == 4:
+                raise RuntimeError("CUDA out of memory (injected)")
+            observe(batch, seconds)
+
+        engine._observe_backend = failing_observe
+
+        async def run():
+            outs = []
+            async for out in engine.submit("r", [1, 2, 3], SamplingParams(max_tokens=16, ignore_eos=True)):
+                outs.append(out)
+            return outs
+
+        with caplog.at_level(logging.ERROR):
+            outs = asyncio.run(run())
+        last = outs[-1]
+        assert last["finish_reason"] == "abort"
+        assert "RuntimeError: CUDA out of memory (injected)" in last["error"]
+        assert sum(len(o["token_ids"]) for o in outs) == 4  # the tokens before the failure were streamed
+        failed = [r for r in caplog.records if "loop failed" in r.getMessage()]
+        assert failed and failed[0].levelno == logging.ERROR and failed[0].exc_info is not None
+        assert engine.health()["maintenance"] == "failed"
+    finally:
+        engine.shutdown()
