@@ -150,8 +150,19 @@ class AutoBackend:
 
     def _switch(self, kind: str, why: str) -> bool:
         log.info("auto: switching %s -> %s (%s)", self.current, kind, why)
+        previous = self.current
         self._release_inner()
-        self.inner = self._build(kind)
+        failure = None
+        try:
+            self.inner = self._build(kind)
+        except torch.OutOfMemoryError as exc:  # the device held less than when the first one was built
+            failure = str(exc).splitlines()[0]  # (outside this block: the traceback keeps the partial build)
+        if failure is not None:
+            self._release_inner()
+            log.warning("auto: %s does not fit on the device (%s); settled on %s, which ran before", kind,
+                        failure, previous)
+            self.inner, kind = self._build(previous), previous
+            self.settled = True
         self.current = kind
         if self.settled:
             self._apply_pins()

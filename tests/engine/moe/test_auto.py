@@ -265,3 +265,32 @@ def test_switch_frees_the_old_backend_before_building_the_other(first, qwen3, tm
     assert alive_at_build == [False] and backend.current == auto.OTHER[first]
     lm.model.set_backend(backend)
     assert greedy_generate(lm, PROMPT, NEW_TOKENS) == expected
+
+
+def test_a_candidate_that_does_not_fit_leaves_auto_on_the_one_that_ran(qwen3, tmp_path, monkeypatch, caplog):
+    """Out of memory while building the other candidate (the device holds less than when the first was built):
+    auto settles on the candidate that ran before and keeps serving, with a warning naming both."""
+    lm, model_dir, expected = qwen3
+    monkeypatch.setenv("TANDEM_PROFILES_DIR", str(tmp_path))
+    backend = auto_backend_for(lm, model_dir)
+    assert backend.current == "offload"
+    build = backend._build
+
+    def hybrid_does_not_fit(kind):
+        if kind == "hybrid":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.40 GiB\nmore detail")
+        return build(kind)
+
+    monkeypatch.setattr(backend, "_build", hybrid_does_not_fit)
+    rebuilt = False
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2000):
+            rebuilt = backend.observe_decode_step(0.002, tokens=1)
+            if rebuilt:
+                break
+    assert rebuilt and backend.settled and backend.current == "offload"
+    assert isinstance(backend.inner, OffloadBackend)
+    assert "hybrid does not fit on the device (CUDA out of memory. Tried to allocate 9.40 GiB)" in caplog.text
+    assert not any(backend.observe_decode_step(0.002, tokens=1) for _ in range(200))  # no further switch
+    lm.model.set_backend(backend)
+    assert greedy_generate(lm, PROMPT, NEW_TOKENS) == expected
