@@ -19,6 +19,9 @@ Steps, in order (``--steps`` picks some), each by calling the benchmark that own
     routing    python -m benchmarks.bench_decode_moe on the synthetic model under the sticky and flat routing
                presets (docs/routing.md), every offloading backend at a third cached -> routing.jsonl,
                routing.png (skipped when --model is not synthetic: a real model routes as it routes)
+    gguf       python -m benchmarks.bench_decode_moe on the synthetic model with its experts in GGUF blocks
+               (Q4_K_M; docs/gguf.md) at a third cached, beside the decode step's rows of the same backends
+               -> gguf.jsonl (skipped when --model is not synthetic: a checkpoint's experts are what they are)
 
 then writes suite.json (every row, the ceilings and the exact command of each step), sweep.png (tok/s
 against the share cached) and table.md (the page's headline table with this host's numbers).
@@ -38,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROUTINGS = ("sticky", "flat")  # the routing step's presets (uniform: the decode step)
-STEPS = ("ceilings", "decode", "serving", "resident", "long", "routing")
+STEPS = ("ceilings", "decode", "serving", "resident", "long", "routing", "gguf")
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,8 @@ class Scale:
     ceilings_args: tuple[str, ...] = ()
     routing_model: str = ""  # the synthetic model of the routing step (default: the scale's model)
     routing_backends: str = "resident,offload,hybrid,auto"  # at serving_cache_rate (resident: everything cached)
+    gguf_experts: str = "q4_K_M"  # the gguf step's ?experts= (its widths must be whole blocks of the type)
+    gguf_backends: str = "resident,offload,hybrid"  # at serving_cache_rate
 
 
 SCALES = {
@@ -77,7 +82,8 @@ SCALES = {
                   headline=(("resident", None), ("hybrid", 0.5), ("cpu", 0.25)), sweep_backends="",
                   sweep_rates="", concurrency="1,2", ceilings_args=("--buffer-mib", "64", "--reps", "3"),
                   serving_backend="hybrid", serving_cache_rate=0.5, serving_prompts=2, long_prompts="300,1200",
-                  long_backends="hybrid", routing_model="synthetic:tiny", routing_backends="hybrid"),
+                  long_backends="hybrid", routing_model="synthetic:tiny", routing_backends="hybrid",
+                  gguf_experts="q8_0", gguf_backends="hybrid"),  # tiny's widths (64, 32): 32-value blocks
 }
 
 
@@ -92,15 +98,21 @@ def step_commands(scale: Scale, model: str, out: Path, timeout_s: float) -> dict
                    for backend, rate in scale.headline]
     if scale.sweep_backends:
         decode_runs.append([*decode, "--backend", scale.sweep_backends, "--cache-rate", scale.sweep_rates])
-    routing_model = scale.routing_model if model == scale.model and scale.routing_model else model
-    routing = [] if not routing_model.startswith("synthetic:") else [
-        [*decode[:2], f"{routing_model}{'&' if '?' in routing_model else '?'}routing={preset}", *decode[3:],
-         "--backend", scale.routing_backends, "--cache-rate", str(scale.serving_cache_rate)]
-        for preset in ROUTINGS]
-    for argv_ in routing:
-        argv_[argv_.index(str(out / "decode.jsonl"))] = str(out / "routing.jsonl")
+    synthetic = scale.routing_model if model == scale.model and scale.routing_model else model
+
+    def variant(query: str, backends: str, jsonl: str) -> list[list[str]]:
+        """The decode command on the synthetic model with ``query`` added, into ``jsonl``; none for a checkpoint."""
+        if not synthetic.startswith("synthetic:"):
+            return []
+        argv_ = [*decode[:2], f"{synthetic}{'&' if '?' in synthetic else '?'}{query}", *decode[3:],
+                 "--backend", backends, "--cache-rate", str(scale.serving_cache_rate)]
+        argv_[argv_.index(str(out / "decode.jsonl"))] = str(out / jsonl)
+        return [argv_]
+
     return {
-        "routing": routing,
+        "routing": [cmd for preset in ROUTINGS
+                    for cmd in variant(f"routing={preset}", scale.routing_backends, "routing.jsonl")],
+        "gguf": variant(f"experts={scale.gguf_experts}", scale.gguf_backends, "gguf.jsonl"),
         "ceilings": [["benchmarks.ceilings", "--json", str(out / "ceilings.json"), *scale.ceilings_args]],
         "decode": decode_runs,
         "serving": [["benchmarks.bench_serving", *common, "--backend", scale.serving_backend,
@@ -156,7 +168,7 @@ def read_rows(out: Path) -> dict:
 
     return {"ceilings": load("ceilings.json"), "decode": load("decode.jsonl") or [],
             "serving": load("serving.jsonl") or [], "resident": load("resident.json"), "long": load("long.jsonl") or [],
-            "routing": load("routing.jsonl") or []}
+            "routing": load("routing.jsonl") or [], "gguf": load("gguf.jsonl") or []}
 
 
 def _fmt(value, digits: int = 1) -> str:
@@ -178,6 +190,26 @@ def headline_rows(scale: Scale, results: dict) -> list[dict]:
         rows.append({"backend": backend, "cache_rate": rate, "tok_s": mean, "servers": len(tok_s), "vram_gib": vram,
                      "bound_tok_s": bound, "bound_ratio": mean / bound if mean and bound else None})
     return rows
+
+
+def gguf_lines(scale: Scale, results: dict) -> list[str]:
+    """The gguf step's table: each backend's tok/s with GGUF experts beside the decode step's rows of the same model
+    with its own experts, backend and share cached (none at the tiny scale, whose decode step serves the demo)."""
+    lines = ["", f"## GGUF experts ({scale.gguf_experts}, {100 * scale.serving_cache_rate:g} % cached; docs/gguf.md)", "",
+             "| backend | tok/s | own experts tok/s | ratio | bound tok/s | of the bound |", "|---|---|---|---|---|---|"]
+    for r in results.get("gguf") or []:
+        if not r.get("ok"):
+            lines.append(f"| {r['backend']} | failed: {str(r.get('error', ''))[:80]} | | | | |")
+            continue
+        model = r["model"].replace(f"experts={scale.gguf_experts}", "").rstrip("?&")
+        own = [d["decode_tok_s"] for d in results["decode"]  # resident rows: cache_rate None in both
+               if d.get("ok") and d.get("model") == model and d["backend"] == r["backend"]
+               and d.get("cache_rate") == r.get("cache_rate")]
+        base = sum(own) / len(own) if own else None
+        lines.append(f"| {r['backend']} | {_fmt(r['decode_tok_s'])} | {_fmt(base)} | "
+                     f"{_fmt(r['decode_tok_s'] / base if base else None, 2)} | {_fmt(r.get('bound_tok_s'))} | "
+                     f"{_fmt(r.get('bound_ratio'), 2)} |")
+    return lines
 
 
 def markdown(scale: Scale, model: str, results: dict, commands: dict[str, list[str]]) -> str:
@@ -226,6 +258,7 @@ def markdown(scale: Scale, model: str, results: dict, commands: dict[str, list[s
             continue
         lines.append(f"| {r['backend']} | {routing} | {_fmt(r['decode_tok_s'])} | {_fmt(r.get('miss_rate'), 3)} | "
                      f"{_fmt(r.get('bound_tok_s'))} | {_fmt(r.get('bound_ratio'), 2)} |")
+    lines += gguf_lines(scale, results)
     lines += ["", "## Ceilings", "", "| ceiling | value |", "|---|---|"]
     lines += [f"| {k} | {_fmt(v)} |" for k, v in ceilings.items() if isinstance(v, float)]
     lines += ["", "## Commands", ""]
@@ -255,10 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     (out / "logs").mkdir(parents=True, exist_ok=True)
     commands = step_commands(scale, model, out, args.startup_timeout)
     if "ceilings" not in steps and not (out / "ceilings.json").exists():
-        for argv_ in commands["decode"] + commands["routing"]:  # no ceilings to bound the rows with
+        for argv_ in commands["decode"] + commands["routing"] + commands["gguf"]:  # no ceilings to bound the rows
             i = argv_.index("--ceilings")
             del argv_[i:i + 2]
-    for step in ("decode", "routing"):  # bench_decode_moe appends: start this run's rows afresh
+    for step in ("decode", "routing", "gguf"):  # bench_decode_moe appends: start this run's rows afresh
         if step in steps:
             (out / f"{step}.jsonl").unlink(missing_ok=True)
     status: dict[str, int | str] = {}
@@ -266,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         if step == "resident" and scale.device != "cuda":
             status[step] = "skipped: needs CUDA"
             continue
-        if step == "routing" and not commands[step]:
+        if step in ("routing", "gguf") and not commands[step]:
             status[step] = "skipped: --model is not synthetic"
             continue
         codes = [run_module(argv_, out / "logs" / f"{step}.txt") for argv_ in commands[step]]

@@ -23,7 +23,7 @@ def test_tiny_suite_writes_every_output(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "suite.json").read_text())
     assert summary["status"] == {"ceilings": 0, "decode": 0, "serving": 0, "resident": "skipped: needs CUDA",
-                                 "long": 0, "routing": 0}
+                                 "long": 0, "routing": 0, "gguf": 0}
     assert summary["ceilings"]["cpu_read_sum_fp32_GBs"] > 0 and summary["ceilings"]["gpu"] is None
     assert [(r["backend"], r["cache_rate"]) for r in summary["headline"]] == [("resident", None), ("hybrid", 0.5),
                                                                              ("cpu", 0.25)]
@@ -49,6 +49,11 @@ def test_tiny_suite_writes_every_output(tmp_path):
     assert all(r["ok"] and r["backend"] == "hybrid" and r["miss_rate"] is not None for r in routed)
     assert "## By routing" in table and "| hybrid | sticky | " in table
     assert (out / "routing.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    gguf = [json.loads(line) for line in (out / "gguf.jsonl").read_text().splitlines()]
+    assert [(r["model"], r["backend"], r["cache_rate"]) for r in gguf] == [("synthetic:tiny?experts=q8_0", "hybrid", 0.5)]
+    assert gguf[0]["ok"] and gguf[0]["decode_tok_s"] > 0
+    assert "## GGUF experts (q8_0, 50 % cached" in table  # no baseline: the decode step served the demo
+    assert f"\n| hybrid | {gguf[0]['decode_tok_s']:.1f} | – | – | " in table
     assert "benchmarks.bench_decode_moe" in table and "bench_resident_decode" not in table  # skipped, not shown
 
 
@@ -66,3 +71,16 @@ def test_table_marks_failed_rows_and_missing_bounds():
     table = markdown(scale, "demo", results, {"decode": ["python -m benchmarks.bench_decode_moe ..."]})
     assert "| hybrid | 50 % | – | 5.0 | 8.0 | 0.62 |" in table
     assert "failed: server exited" in table and "| cpu_read_sum_fp32_GBs | 9.0 |" in table
+    for row in decode:
+        row["model"] = "synthetic:tiny?layers=2"
+    gguf = "synthetic:tiny?layers=2&experts=q8_0"
+    results["gguf"] = [{"model": gguf, "backend": "hybrid", "cache_rate": 0.5, "ok": True, "decode_tok_s": 7.5,
+                        "bound_tok_s": 15.0, "bound_ratio": 0.5},
+                       {"model": gguf, "backend": "resident", "cache_rate": None, "ok": True, "decode_tok_s": 12.0},
+                       {"model": gguf, "backend": "offload", "cache_rate": 0.5, "ok": False, "error": "out of memory"}]
+    table = markdown(scale, "demo", results, {})
+    assert "| hybrid | 7.5 | 5.0 | 1.50 | 15.0 | 0.50 |" in table  # beside the mean of the decode step's two
+    assert "| resident | 12.0 | 10.0 | 1.20 | – | – |" in table
+    assert "| offload | failed: out of memory |" in table
+    decode[0]["model"] = "demo"  # another model's rows are no baseline
+    assert "| resident | 12.0 | – | – | – | – |" in markdown(scale, "demo", results, {})
