@@ -91,14 +91,18 @@ def gguf_values(row_ptr, k, mask, QT: tl.constexpr):
 
 
 @triton.jit
-def _k4_scale_min(sp, j, m3):
-    """q4_K / q5_K 6-bit (scale, min) of sub-blocks j (int tensor) from the 12 bytes at sp -> fp32 (sc, m)."""
-    a = _byte(sp + j % 4, m3)
-    b = _byte(sp + 4 + j % 4, m3)
-    c = _byte(sp + 8 + j % 4, m3)
+def _k4_unpack(a, b, c, j):
+    """q4_K / q5_K 6-bit (scale, min) of sub-blocks j (int tensor) from bytes j % 4, 4 + j % 4 and 8 + j % 4 of
+    the 12 scale bytes (a, b, c) -> fp32 (sc, m)."""
     sc = tl.where(j < 4, a & 63, (c & 15) | ((a >> 6) << 4)).to(tl.float32)
     mn = tl.where(j < 4, b & 63, (c >> 4) | ((b >> 6) << 4)).to(tl.float32)
     return sc, mn
+
+
+@triton.jit
+def _k4_scale_min(sp, j, m3):
+    """q4_K / q5_K 6-bit (scale, min) of sub-blocks j (int tensor) from the 12 bytes at sp -> fp32 (sc, m)."""
+    return _k4_unpack(_byte(sp + j % 4, m3), _byte(sp + 4 + j % 4, m3), _byte(sp + 8 + j % 4, m3), j)
 
 
 @triton.jit
@@ -171,12 +175,7 @@ def _k4_scale_min_words(s0, s1, s2, j):
     """q4_K / q5_K 6-bit (scale, min) of sub-blocks j (int tensor) from the 12 scale bytes held in the words
     s0, s1, s2 (uint32) -> fp32 (sc, m): byte j % 4 of each, unpacked as _k4_scale_min."""
     sh = (8 * (j % 4)).to(tl.uint32)
-    a = (s0 >> sh) & 255
-    b = (s1 >> sh) & 255
-    c = (s2 >> sh) & 255
-    sc = tl.where(j < 4, a & 63, (c & 15) | ((a >> 6) << 4)).to(tl.float32)
-    mn = tl.where(j < 4, b & 63, (c >> 4) | ((b >> 6) << 4)).to(tl.float32)
-    return sc, mn
+    return _k4_unpack((s0 >> sh) & 255, (s1 >> sh) & 255, (s2 >> sh) & 255, j)
 
 
 @triton.jit
